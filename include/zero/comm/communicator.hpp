@@ -1,0 +1,97 @@
+// The Communicator interface: the collectives the engine needs, nothing more.
+// Backends: MpiCommunicator (host memory; device memory staged through the
+// host) and, in CUDA builds, NcclCommunicator (device memory).
+//
+// Conventions, shared by every backend:
+// - counts are in elements of the given dtype;
+// - reduce_scatter: send holds count * size() elements, recv gets count; the
+//   call may be in place when recv == send + rank() * count (NCCL's rule);
+// - all_gather: send holds count, recv gets count * size(); in place when
+//   send == recv + rank() * count;
+// - reductions of bf16/fp16 accumulate in fp32 and round once;
+// - every call returns a Work handle; the result may be read only after
+//   wait() (or synchronize() for device streams); calls are issued in the
+//   same order on every rank (the MPI rule), from one thread;
+// - `stream` is last and ignored by host backends (opaque cudaStream_t).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "zero/core/dtype.hpp"
+
+namespace zero {
+
+enum class ReduceOp { sum, avg, max, min };
+
+constexpr std::string_view name_of(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "unknown";
+}
+
+/// Opaque stream handle (cudaStream_t in CUDA builds; null = default stream).
+using Stream = void*;
+
+/// An issued collective. wait() blocks until the result is in place and
+/// rethrows its error, if any. Destroying an unwaited Work waits for it.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  /// Non-blocking: true once wait() would return at once.
+  virtual bool test() = 0;
+};
+using WorkPtr = std::unique_ptr<Work>;
+
+/// A Work that is already complete (for synchronous paths and world size 1).
+class CompletedWork final : public Work {
+ public:
+  void wait() override {}
+  bool test() override { return true; }
+};
+
+/// Which kind of memory a backend's buffers live in.
+enum class MemoryKind { host, device };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Rank among the processes on this node (selects the GPU).
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  virtual MemoryKind memory_kind() const = 0;
+  virtual std::string backend_name() const = 0;
+
+  virtual WorkPtr reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype,
+                                 ReduceOp op, Stream stream = nullptr) = 0;
+  virtual WorkPtr all_gather(const void* send, void* recv, std::size_t count, DType dtype,
+                             Stream stream = nullptr) = 0;
+  /// In place: buffer holds count elements on every rank and gets the reduction.
+  virtual WorkPtr all_reduce(void* buffer, std::size_t count, DType dtype, ReduceOp op,
+                             Stream stream = nullptr) = 0;
+  virtual WorkPtr broadcast(void* buffer, std::size_t count, DType dtype, int root,
+                            Stream stream = nullptr) = 0;
+  virtual void barrier() = 0;
+
+  /// Sums host doubles across ranks in rank order, so every rank gets the same
+  /// bits and the result does not depend on the backend's reduction tree
+  /// (grad norms, overflow flags, loss averages).
+  virtual void all_reduce_host_f64(double* values, std::size_t count, ReduceOp op) = 0;
+
+  /// Scratch bytes the backend holds now and at most (counted as engine buffers).
+  virtual std::size_t workspace_bytes() const { return 0; }
+  virtual std::size_t peak_workspace_bytes() const { return 0; }
+};
+
+}  // namespace zero

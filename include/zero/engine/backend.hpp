@@ -1,0 +1,69 @@
+// Backend: where the engine's buffers live and how its few kernels run. The
+// engine's schedules are written once against this interface; HostBackend
+// (CPU memory and kernels) and CudaBackend (device memory, streams, fused
+// CUDA kernels) implement it. This is what keeps the sharding logic testable
+// on a machine without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "zero/comm/communicator.hpp"
+#include "zero/optim/optimizer.hpp"
+
+namespace zero {
+
+/// Opaque event (cudaEvent_t in CUDA builds; unused by the host backend).
+using Event = void*;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual MemoryKind memory_kind() const = 0;
+  virtual std::string name() const = 0;
+
+  /// Allocates bytes (aligned to at least 256); throws zero::OutOfMemory.
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* pointer, std::size_t bytes) = 0;
+
+  /// Streams: compute is where the model's kernels run (the caller's current
+  /// stream), comm where collectives run. Host: both null.
+  virtual Stream compute_stream() const = 0;
+  virtual Stream comm_stream() const = 0;
+  /// Records an event on stream; make_wait makes `waiter` wait for it without
+  /// blocking the host. Host: no-ops.
+  virtual Event record_event(Stream stream) = 0;
+  virtual void stream_wait(Stream waiter, Event event) = 0;
+  virtual void release_event(Event event) = 0;
+  /// Blocks the host until the stream's work is done.
+  virtual void synchronize(Stream stream) = 0;
+
+  virtual void fill_zero(void* data, std::size_t bytes, Stream stream) = 0;
+  virtual void copy(void* dst, const void* src, std::size_t bytes, Stream stream) = 0;
+  /// Host <-> backend memory (checkpoints, tests, user I/O); synchronous.
+  virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
+
+  virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                       std::size_t count, Stream stream) = 0;
+  virtual void accumulate(void* dst, const void* src, DType dtype, std::size_t count,
+                          Stream stream) = 0;
+  virtual void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
+                              const ShardUpdate& update, Stream stream) = 0;
+  /// Sum of squares and a non-finite flag of several spans, read back to the
+  /// host (synchronizes `stream`, not the device). Each span is summed the way
+  /// cpu_grad_stats does, and spans are added in order.
+  struct Span {
+    const void* data;
+    std::size_t count;
+  };
+  virtual GradStats grad_stats(const Span* spans, std::size_t span_count, DType dtype,
+                               Stream stream) = 0;
+};
+
+/// CPU memory, CPU kernels (vectorized and multi-threaded, or the plain
+/// reference loop when `kernel` says so).
+std::unique_ptr<Backend> make_host_backend(CpuKernel kernel = CpuKernel::vectorized);
+
+}  // namespace zero

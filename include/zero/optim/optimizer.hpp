@@ -1,0 +1,195 @@
+// Optimizers: one definition of the math, per element, shared by the CPU
+// kernels (src/optim/) and the CUDA kernels (src/cuda/). Semantics follow
+// PyTorch's AdamW (decoupled decay, bias correction), SGD (coupled decay,
+// momentum with dampening, Nesterov) and Lion (Chen et al., 2023).
+//
+// The order of operations below is the contract: the plain and vectorized CPU
+// kernels evaluate exactly these expressions (built with -ffp-contract=off),
+// so they agree bit for bit.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "zero/core/dtype.hpp"
+#include "zero/core/error.hpp"
+
+#if defined(__CUDACC__)
+#define ZERO_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ZERO_HOST_DEVICE inline
+#endif
+
+namespace zero {
+
+enum class OptimizerKind { adamw, sgd, lion };
+
+constexpr std::string_view name_of(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::adamw: return "adamw";
+    case OptimizerKind::sgd: return "sgd";
+    case OptimizerKind::lion: return "lion";
+  }
+  return "unknown";
+}
+
+inline OptimizerKind parse_optimizer_kind(std::string_view text, std::string_view what = "optimizer") {
+  if (text == "adamw") return OptimizerKind::adamw;
+  if (text == "sgd") return OptimizerKind::sgd;
+  if (text == "lion") return OptimizerKind::lion;
+  ZERO_THROW(InvalidArgument, what, ": unknown optimizer '", text, "' (expected adamw, sgd or lion)");
+}
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9;          // AdamW, Lion (interpolation for the update)
+  double beta2 = 0.999;        // AdamW, Lion (momentum decay; Lion's default is 0.99)
+  double eps = 1e-8;           // AdamW
+  double weight_decay = 0.01;  // decoupled for AdamW and Lion, coupled (L2) for SGD
+  double momentum = 0.0;       // SGD
+  double dampening = 0.0;      // SGD
+  bool nesterov = false;       // SGD
+
+  void validate() const {
+    ZERO_CHECK(std::isfinite(lr) && lr >= 0, "optimizer.lr must be finite and >= 0, got ", lr);
+    ZERO_CHECK(std::isfinite(weight_decay) && weight_decay >= 0,
+               "optimizer.weight_decay must be finite and >= 0, got ", weight_decay);
+    if (kind == OptimizerKind::adamw || kind == OptimizerKind::lion) {
+      ZERO_CHECK(beta1 >= 0 && beta1 < 1, "optimizer.beta1 must be in [0, 1), got ", beta1);
+      ZERO_CHECK(beta2 >= 0 && beta2 < 1, "optimizer.beta2 must be in [0, 1), got ", beta2);
+    }
+    if (kind == OptimizerKind::adamw)
+      ZERO_CHECK(eps > 0 && std::isfinite(eps), "optimizer.eps must be > 0, got ", eps);
+    if (kind == OptimizerKind::sgd) {
+      ZERO_CHECK(momentum >= 0 && momentum < 1, "optimizer.momentum must be in [0, 1), got ", momentum);
+      ZERO_CHECK(dampening >= 0 && dampening <= 1, "optimizer.dampening must be in [0, 1], got ",
+                 dampening);
+      ZERO_CHECK(!nesterov || (momentum > 0 && dampening == 0),
+                 "optimizer.nesterov needs momentum > 0 and dampening == 0");
+    }
+  }
+
+  /// fp32 state tensors per parameter: AdamW 2 (m, v), Lion 1 (m), SGD 1 with
+  /// momentum, else 0.
+  int state_slots() const {
+    switch (kind) {
+      case OptimizerKind::adamw: return 2;
+      case OptimizerKind::lion: return 1;
+      case OptimizerKind::sgd: return momentum > 0 ? 1 : 0;
+    }
+    return 0;
+  }
+};
+
+/// Per-step scalars, computed once on the host (float, as the kernels use them).
+struct StepScalars {
+  float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  float bias_correction1 = 1;       // 1 - beta1^t
+  float bias_correction2_sqrt = 1;  // sqrt(1 - beta2^t)
+  float momentum = 0, dampening = 0;
+  int nesterov = 0;
+  int first_step = 0;               // SGD: momentum buffer starts as the gradient
+  /// Multiplies every gradient before use: 1 / (loss scale * accumulation
+  /// steps) * clip coefficient. Folding it here saves a pass over the grads.
+  float grad_scale = 1;
+};
+
+/// step is 1-based (the step being taken).
+inline StepScalars make_step_scalars(const OptimizerOptions& o, std::int64_t step, double lr,
+                                     double grad_scale) {
+  ZERO_CHECK(step >= 1, "optimizer step must be >= 1, got ", step);
+  StepScalars s;
+  s.lr = static_cast<float>(lr);
+  s.beta1 = static_cast<float>(o.beta1);
+  s.beta2 = static_cast<float>(o.beta2);
+  s.eps = static_cast<float>(o.eps);
+  s.weight_decay = static_cast<float>(o.weight_decay);
+  s.bias_correction1 = static_cast<float>(1.0 - std::pow(o.beta1, static_cast<double>(step)));
+  s.bias_correction2_sqrt =
+      static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(step))));
+  s.momentum = static_cast<float>(o.momentum);
+  s.dampening = static_cast<float>(o.dampening);
+  s.nesterov = o.nesterov ? 1 : 0;
+  s.first_step = step == 1 ? 1 : 0;
+  s.grad_scale = static_cast<float>(grad_scale);
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Per-element math. `param` is the fp32 master value; `g` the gradient as
+// float before grad_scale is applied.
+
+ZERO_HOST_DEVICE void adamw_element(float& param, float& m, float& v, float g, const StepScalars& s) {
+  g = g * s.grad_scale;
+  param = param * (1.0f - s.lr * s.weight_decay);
+  m = s.beta1 * m + (1.0f - s.beta1) * g;
+  v = s.beta2 * v + (1.0f - s.beta2) * (g * g);
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
+  param = param - (s.lr / s.bias_correction1) * (m / denom);
+}
+
+ZERO_HOST_DEVICE void lion_element(float& param, float& m, float g, const StepScalars& s) {
+  g = g * s.grad_scale;
+  const float c = s.beta1 * m + (1.0f - s.beta1) * g;
+  const float sign = static_cast<float>((c > 0.0f) - (c < 0.0f));
+  param = param * (1.0f - s.lr * s.weight_decay);
+  param = param - s.lr * sign;
+  m = s.beta2 * m + (1.0f - s.beta2) * g;
+}
+
+/// buf may be nullptr-equivalent when momentum == 0 (has_momentum false).
+ZERO_HOST_DEVICE void sgd_element(float& param, float* buf, float g, const StepScalars& s) {
+  g = g * s.grad_scale;
+  g = g + s.weight_decay * param;
+  if (buf != nullptr) {
+    float b = s.first_step ? g : s.momentum * (*buf) + (1.0f - s.dampening) * g;
+    *buf = b;
+    g = s.nesterov ? g + s.momentum * b : b;
+  }
+  param = param - s.lr * g;
+}
+
+// ---------------------------------------------------------------------------
+// Kernel interface. One span of a rank's shard; all pointers cover `count`
+// elements. Padding elements (zero grad, zero param, zero state) stay zero.
+
+struct ShardUpdate {
+  float* master = nullptr;                // fp32 master weights, updated in place
+  const void* grad = nullptr;             // gradients, grad_dtype
+  DType grad_dtype = DType::fp32;
+  float* state0 = nullptr;                // AdamW m, Lion m, SGD momentum buffer
+  float* state1 = nullptr;                // AdamW v
+  void* model_copy = nullptr;             // optional: updated params rounded to model_dtype
+  DType model_dtype = DType::bf16;
+  std::size_t count = 0;
+};
+
+/// Which CPU implementation to run.
+enum class CpuKernel {
+  reference,   // one thread, a plain loop: the definition
+  vectorized,  // SIMD (AVX-512/AVX2 chosen at run time) and all cores
+};
+
+/// Applies one optimizer step to the span on the CPU.
+void cpu_optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
+                        const ShardUpdate& update, CpuKernel kernel = CpuKernel::vectorized);
+
+/// Sum of squares (float64 accumulation, in fixed-size chunks summed in order,
+/// so the result does not depend on the thread count) and whether any element
+/// is NaN or infinite.
+struct GradStats {
+  double sum_squares = 0;
+  bool nonfinite = false;
+};
+GradStats cpu_grad_stats(const void* data, std::size_t count, DType dtype,
+                         CpuKernel kernel = CpuKernel::vectorized);
+
+/// Converts count elements between dtypes on the CPU (round to nearest even).
+void cpu_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count);
+/// dst[i] = round(dst[i] + src[i]) with fp32 accumulation (gradient accumulation).
+void cpu_accumulate(void* dst, const void* src, DType dtype, std::size_t count);
+
+}  // namespace zero

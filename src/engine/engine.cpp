@@ -1,1 +1,645 @@
-// placeholder, being written
+#include "zero/engine/engine.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+
+namespace zero {
+
+void EngineOptions::validate() const {
+  ZERO_CHECK(stage >= 0 && stage <= 3, "EngineOptions.stage must be 0, 1, 2 or 3, got ", stage);
+  check_dtype(param_dtype, "EngineOptions.param_dtype");
+  check_dtype(effective_grad_dtype(), "EngineOptions.grad_dtype");
+  ZERO_CHECK(bucket_bytes >= 1, "EngineOptions.bucket_bytes must be >= 1");
+  ZERO_CHECK(alignment_elements >= 1, "EngineOptions.alignment_elements must be >= 1, got ",
+             alignment_elements);
+  ZERO_CHECK(accumulation_steps >= 1, "EngineOptions.accumulation_steps must be >= 1, got ",
+             accumulation_steps);
+  ZERO_CHECK(accumulation == GradAccumulation::reduce_each_micro_step ||
+                 accumulation == GradAccumulation::reduce_at_boundary,
+             "EngineOptions.accumulation: unknown mode ", static_cast<int>(accumulation));
+  ZERO_CHECK(std::isfinite(max_grad_norm) && max_grad_norm >= 0,
+             "EngineOptions.max_grad_norm must be finite and >= 0 (0 disables), got ", max_grad_norm);
+  ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
+  optimizer.validate();
+  if (effective_loss_scaling()) loss_scaler.validate();
+}
+
+namespace {
+enum Category { kParams, kGrads, kMaster, kState, kBuffers, kCategories };
+
+struct Pending {
+  std::size_t bucket;
+  WorkPtr work;
+  void* scratch = nullptr;       // reduced values still to be added to the accumulator
+  std::size_t scratch_bytes = 0;
+};
+}  // namespace
+
+struct Engine::Impl {
+  Communicator& comm;
+  Backend& backend;
+  const FlatLayout& layout;
+  const EngineOptions& options;
+  int rank, world, stage;
+  DType pdt, gdt;
+  std::size_t p_size, g_size;
+  bool full_grads = false;        // backward writes into one full gradient buffer
+  bool shard_accumulator = false; // reduced gradients accumulate in a shard buffer
+  bool reduce_only_at_boundary = false;
+
+  // Persistent buffers (backend memory).
+  std::byte* params_full = nullptr;   // stages 0-2
+  std::byte* param_shard = nullptr;   // stage 3
+  float* master = nullptr;            // stage 0: full; 1-3: shard; null when params are fp32
+  float* state0 = nullptr;
+  float* state1 = nullptr;
+  std::byte* grads_full = nullptr;
+  std::byte* grad_shard = nullptr;
+
+  std::array<std::size_t, kCategories> current{}, peak{};
+  std::map<std::size_t, std::vector<void*>> free_blocks;  // reusable transient blocks by size
+
+  // Per micro-step bookkeeping.
+  std::vector<char> param_ready;
+  std::vector<std::size_t> bucket_ready_count;
+  std::vector<char> bucket_reduced;         // this micro-step
+  std::vector<char> accumulator_has_data;   // this step
+  std::vector<std::byte*> bucket_buffer;    // transient per-bucket grad buffers
+  std::deque<Pending> pending;
+
+  // Stage 3 gathers.
+  std::vector<std::byte*> unit_buffer;
+  std::vector<int> unit_refs;
+  std::vector<WorkPtr> unit_work;
+
+  Impl(Communicator& c, Backend& b, const FlatLayout& l, const EngineOptions& o)
+      : comm(c), backend(b), layout(l), options(o) {}
+
+  ~Impl() {
+    pending.clear();  // Work destructors wait
+    unit_work.clear();
+    auto release_ptr = [&](void* p, std::size_t bytes) {
+      if (p) backend.deallocate(p, bytes);
+    };
+    for (auto& [bytes, blocks] : free_blocks)
+      for (void* p : blocks) release_ptr(p, bytes);
+    for (std::size_t b = 0; b < bucket_buffer.size(); ++b)
+      release_ptr(bucket_buffer[b], layout.buckets()[b].padded * g_size);
+    for (std::size_t u = 0; u < unit_buffer.size(); ++u)
+      release_ptr(unit_buffer[u], layout.buckets()[u].padded * p_size);
+    const std::size_t full = layout.padded_numel(), shard = layout.shard_numel();
+    const std::size_t optimizer_elements = stage == 0 ? full : shard;
+    release_ptr(params_full, full * p_size);
+    release_ptr(param_shard, shard * p_size);
+    release_ptr(master, optimizer_elements * 4);
+    release_ptr(state0, optimizer_elements * 4);
+    release_ptr(state1, optimizer_elements * 4);
+    release_ptr(grads_full, full * g_size);
+    release_ptr(grad_shard, shard * g_size);
+  }
+
+  // ---------------------------------------------------------------- accounting
+  void count(Category c, std::ptrdiff_t delta) {
+    current[c] = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(current[c]) + delta);
+    peak[c] = std::max(peak[c], current[c]);
+  }
+  template <typename T = std::byte>
+  T* allocate(Category c, std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    void* p = backend.allocate(bytes);
+    backend.fill_zero(p, bytes, backend.compute_stream());
+    count(c, static_cast<std::ptrdiff_t>(bytes));
+    return static_cast<T*>(p);
+  }
+  /// A transient block, zeroed; free blocks of the same size are reused.
+  std::byte* acquire(Category c, std::size_t bytes, Stream stream) {
+    auto& blocks = free_blocks[bytes];
+    std::byte* p;
+    if (!blocks.empty()) {
+      p = static_cast<std::byte*>(blocks.back());
+      blocks.pop_back();
+      count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
+    } else {
+      p = static_cast<std::byte*>(backend.allocate(bytes));
+    }
+    backend.fill_zero(p, bytes, stream);
+    count(c, static_cast<std::ptrdiff_t>(bytes));
+    return p;
+  }
+  /// Returns a transient block; it stays allocated, counted as buffers.
+  void give_back(Category c, void* p, std::size_t bytes) {
+    count(c, -static_cast<std::ptrdiff_t>(bytes));
+    count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
+    free_blocks[bytes].push_back(p);
+  }
+
+  // ---------------------------------------------------------------- addresses
+  std::size_t own_offset(std::size_t b) const {  // rank's slice of bucket b, full coordinates
+    const Bucket& bucket = layout.buckets()[b];
+    return bucket.offset + static_cast<std::size_t>(rank) * bucket.shard_size;
+  }
+  bool reduces_in_place() const { return !shard_accumulator; }
+  /// The reduced (averaged) gradient of this rank's slice of bucket b.
+  std::byte* reduced_grad(std::size_t b) const {
+    if (reduces_in_place()) return grads_full + own_offset(b) * g_size;
+    return grad_shard + layout.buckets()[b].shard_offset * g_size;
+  }
+  /// The fp32 master values of this rank's slice of bucket b.
+  float* master_slice(std::size_t b) const {
+    const Bucket& bucket = layout.buckets()[b];
+    if (pdt != DType::fp32) {
+      return master + (stage == 0 ? own_offset(b) : bucket.shard_offset);
+    }
+    if (stage == 3) return reinterpret_cast<float*>(param_shard) + bucket.shard_offset;
+    return reinterpret_cast<float*>(params_full) + own_offset(b);
+  }
+
+  // ---------------------------------------------------------------- reductions
+  void issue_reduce(std::size_t b) {
+    const Bucket& bucket = layout.buckets()[b];
+    const std::byte* input =
+        full_grads ? grads_full + bucket.offset * g_size : bucket_buffer[b];
+    ZERO_ASSERT(input != nullptr || bucket.padded == 0, "bucket ", b, " has no gradient buffer");
+    Pending entry{b, nullptr};
+    void* destination;
+    if (reduces_in_place()) {
+      destination = grads_full + own_offset(b) * g_size;
+    } else if (!accumulator_has_data[b]) {
+      destination = grad_shard + bucket.shard_offset * g_size;
+      accumulator_has_data[b] = 1;
+    } else {
+      entry.scratch_bytes = bucket.shard_size * g_size;
+      entry.scratch = acquire(kBuffers, entry.scratch_bytes, backend.comm_stream());
+      destination = entry.scratch;
+    }
+    // The gradients were written on the compute stream.
+    Event ready = backend.record_event(backend.compute_stream());
+    backend.stream_wait(backend.comm_stream(), ready);
+    backend.release_event(ready);
+    entry.work = comm.reduce_scatter(input, destination, bucket.shard_size, gdt, ReduceOp::avg,
+                                     backend.comm_stream());
+    bucket_reduced[b] = 1;
+    pending.push_back(std::move(entry));
+  }
+
+  void complete(Pending& entry) {
+    entry.work->wait();
+    const Bucket& bucket = layout.buckets()[entry.bucket];
+    if (entry.scratch) {
+      backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt,
+                         bucket.shard_size, backend.comm_stream());
+      give_back(kBuffers, entry.scratch, entry.scratch_bytes);
+    }
+    if (!full_grads && bucket_buffer[entry.bucket]) {
+      give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size);
+      bucket_buffer[entry.bucket] = nullptr;
+    }
+  }
+
+  void complete_all() {
+    while (!pending.empty()) {
+      complete(pending.front());
+      pending.pop_front();
+    }
+    Event done = backend.record_event(backend.comm_stream());
+    backend.stream_wait(backend.compute_stream(), done);
+    backend.release_event(done);
+  }
+};
+
+// ---------------------------------------------------------------- construction
+
+Engine::Engine(std::vector<ParamSpec> params, const EngineOptions& options, Communicator& comm,
+               Backend& backend)
+    : Engine(FlatLayout::build(params, {.world_size = comm.size(),
+                                        .alignment = options.alignment_elements,
+                                        .bucket_elements = std::max<std::size_t>(
+                                            1, options.bucket_bytes / size_of(options.param_dtype))}),
+             options, comm, backend) {}
+
+Engine::Engine(std::vector<std::vector<ParamSpec>> groups, const EngineOptions& options,
+               Communicator& comm, Backend& backend)
+    : Engine(FlatLayout::build_grouped(groups, {.world_size = comm.size(),
+                                                .alignment = options.alignment_elements,
+                                                .bucket_elements = 1}),
+             options, comm, backend) {}
+
+Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend)
+    : options_(options),
+      layout_(std::move(layout)),
+      rank_(comm.rank()),
+      world_(comm.size()),
+      lr_(options.optimizer.lr),
+      scaler_(options.effective_loss_scaling() ? options.loss_scaler : LossScalerOptions{.dynamic = false, .initial_scale = 1.0}) {
+  options_.validate();
+  ZERO_CHECK(comm.memory_kind() == backend.memory_kind(), "communicator '", comm.backend_name(),
+             "' works on ", comm.memory_kind() == MemoryKind::host ? "host" : "device",
+             " memory but backend '", backend.name(), "' allocates ",
+             backend.memory_kind() == MemoryKind::host ? "host" : "device", " memory");
+  // Every rank must build the same layout; a mismatch would silently pair
+  // different parameters in the collectives.
+  std::array<double, 3> mine = {static_cast<double>(layout_.padded_numel()),
+                                static_cast<double>(layout_.params().size()),
+                                static_cast<double>(options_.stage)};
+  std::array<double, 3> low = mine, high = mine;
+  comm.all_reduce_host_f64(low.data(), 3, ReduceOp::min);
+  comm.all_reduce_host_f64(high.data(), 3, ReduceOp::max);
+  ZERO_CHECK(low == high, "ranks disagree on the model: this rank has ", layout_.params().size(),
+             " parameters (", layout_.padded_numel(), " padded elements, stage ", options_.stage,
+             "), others between ", low[1], " and ", high[1], " parameters (", low[0], " to ",
+             high[0], " elements, stage ", low[2], " to ", high[2], ")");
+
+  impl_ = std::make_unique<Impl>(comm, backend, layout_, options_);
+  Impl& m = *impl_;
+  m.rank = rank_;
+  m.world = world_;
+  m.stage = options_.stage;
+  m.pdt = options_.param_dtype;
+  m.gdt = options_.effective_grad_dtype();
+  m.p_size = size_of(m.pdt);
+  m.g_size = size_of(m.gdt);
+  const bool multi = options_.accumulation_steps > 1;
+  const bool at_boundary = options_.accumulation == GradAccumulation::reduce_at_boundary;
+  m.full_grads = m.stage <= 1 || (at_boundary && multi);
+  m.shard_accumulator = m.stage >= 2 || (!at_boundary && multi);
+  m.reduce_only_at_boundary = at_boundary && multi;
+
+  const std::size_t full = layout_.padded_numel(), shard = layout_.shard_numel();
+  const std::size_t optimizer_elements = m.stage == 0 ? full : shard;
+  if (m.stage < 3) m.params_full = m.allocate(kParams, full * m.p_size);
+  else m.param_shard = m.allocate(kParams, shard * m.p_size);
+  if (m.pdt != DType::fp32) m.master = m.allocate<float>(kMaster, optimizer_elements * 4);
+  const int slots = options_.optimizer.state_slots();
+  if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
+  if (slots >= 2) m.state1 = m.allocate<float>(kState, optimizer_elements * 4);
+  if (m.full_grads) m.grads_full = m.allocate(kGrads, full * m.g_size);
+  if (m.shard_accumulator) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
+
+  const std::size_t buckets = layout_.buckets().size();
+  m.param_ready.assign(layout_.params().size(), 0);
+  m.bucket_ready_count.assign(buckets, 0);
+  m.bucket_reduced.assign(buckets, 0);
+  m.accumulator_has_data.assign(buckets, 0);
+  m.bucket_buffer.assign(buckets, nullptr);
+  m.unit_buffer.assign(buckets, nullptr);
+  m.unit_refs.assign(buckets, 0);
+  m.unit_work.resize(buckets);
+}
+
+Engine::~Engine() = default;
+
+// ---------------------------------------------------------------- parameters
+
+void Engine::set_param(std::size_t param, const float* host_values) {
+  ZERO_CHECK(param < layout_.params().size(), "set_param: parameter index ", param, " of ",
+             layout_.params().size());
+  Impl& m = *impl_;
+  const ParamSlot& slot = layout_.slots()[param];
+  ZERO_CHECK(host_values != nullptr || slot.numel == 0, "set_param('", layout_.params()[param].name,
+             "'): null values");
+  std::vector<std::byte> rounded(slot.numel * m.p_size);
+  for (std::size_t i = 0; i < slot.numel; ++i) store_from_float(rounded.data(), i, m.pdt, host_values[i]);
+  const Bucket& bucket = layout_.buckets()[slot.bucket];
+  const std::size_t own = m.own_offset(slot.bucket);
+  // The part of the parameter inside this rank's slice, in full coordinates.
+  const std::size_t lo = std::max(slot.offset, own);
+  const std::size_t hi = std::min(slot.offset + slot.numel, own + bucket.shard_size);
+  if (m.stage < 3) {
+    m.backend.copy_from_host(m.params_full + slot.offset * m.p_size, rounded.data(), rounded.size());
+  } else if (lo < hi) {
+    m.backend.copy_from_host(m.param_shard + (bucket.shard_offset + lo - own) * m.p_size,
+                             rounded.data() + (lo - slot.offset) * m.p_size, (hi - lo) * m.p_size);
+  }
+  if (m.pdt == DType::fp32) return;
+  if (m.stage == 0) {
+    m.backend.copy_from_host(m.master + slot.offset, host_values, slot.numel * 4);
+  } else if (lo < hi) {
+    m.backend.copy_from_host(m.master + bucket.shard_offset + (lo - own), host_values + (lo - slot.offset),
+                             (hi - lo) * 4);
+  }
+}
+
+const void* Engine::param_data(std::size_t param) const {
+  ZERO_CHECK(param < layout_.params().size(), "param_data: parameter index ", param, " of ",
+             layout_.params().size());
+  const Impl& m = *impl_;
+  const ParamSlot& slot = layout_.slots()[param];
+  if (m.stage < 3) return m.params_full + slot.offset * m.p_size;
+  ZERO_CHECK(m.unit_refs[slot.bucket] > 0, "param_data('", layout_.params()[param].name,
+             "'): its unit ", slot.bucket, " is not gathered (stage 3: call gather_unit first)");
+  return m.unit_buffer[slot.bucket] + (slot.offset - layout_.buckets()[slot.bucket].offset) * m.p_size;
+}
+
+void Engine::prefetch_unit(std::size_t unit) {
+  ZERO_CHECK(unit < unit_count(), "prefetch_unit: unit ", unit, " of ", unit_count());
+  Impl& m = *impl_;
+  if (m.stage < 3 || m.unit_buffer[unit]) return;
+  const Bucket& bucket = layout_.buckets()[unit];
+  m.unit_buffer[unit] = m.acquire(kParams, bucket.padded * m.p_size, m.backend.comm_stream());
+  // The shard may have just been written by the optimizer on the compute stream.
+  Event ready = m.backend.record_event(m.backend.compute_stream());
+  m.backend.stream_wait(m.backend.comm_stream(), ready);
+  m.backend.release_event(ready);
+  m.unit_work[unit] = m.comm.all_gather(m.param_shard + bucket.shard_offset * m.p_size,
+                                        m.unit_buffer[unit], bucket.shard_size, m.pdt,
+                                        m.backend.comm_stream());
+}
+
+void Engine::gather_unit(std::size_t unit) {
+  ZERO_CHECK(unit < unit_count(), "gather_unit: unit ", unit, " of ", unit_count());
+  Impl& m = *impl_;
+  if (m.stage < 3) return;
+  prefetch_unit(unit);
+  if (m.unit_work[unit]) {
+    m.unit_work[unit]->wait();
+    m.unit_work[unit].reset();
+    Event done = m.backend.record_event(m.backend.comm_stream());
+    m.backend.stream_wait(m.backend.compute_stream(), done);
+    m.backend.release_event(done);
+  }
+  ++m.unit_refs[unit];
+}
+
+void Engine::release_unit(std::size_t unit) {
+  ZERO_CHECK(unit < unit_count(), "release_unit: unit ", unit, " of ", unit_count());
+  Impl& m = *impl_;
+  if (m.stage < 3) return;
+  ZERO_CHECK(m.unit_refs[unit] > 0, "release_unit: unit ", unit, " is not gathered");
+  if (--m.unit_refs[unit] > 0) return;
+  m.give_back(kParams, m.unit_buffer[unit], layout_.buckets()[unit].padded * m.p_size);
+  m.unit_buffer[unit] = nullptr;
+}
+
+bool Engine::unit_gathered(std::size_t unit) const {
+  return impl_->stage < 3 || impl_->unit_refs.at(unit) > 0;
+}
+
+// ---------------------------------------------------------------- gradients
+
+void* Engine::grad_data(std::size_t param) {
+  ZERO_CHECK(param < layout_.params().size(), "grad_data: parameter index ", param, " of ",
+             layout_.params().size());
+  Impl& m = *impl_;
+  const ParamSlot& slot = layout_.slots()[param];
+  ZERO_CHECK(!m.param_ready[param], "grad_data('", layout_.params()[param].name,
+             "'): its gradient was already declared ready in this micro-step");
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_data: all ", options_.accumulation_steps,
+             " micro-steps of this step are done; call step() first");
+  if (m.full_grads) return m.grads_full + slot.offset * m.g_size;
+  const Bucket& bucket = layout_.buckets()[slot.bucket];
+  if (!m.bucket_buffer[slot.bucket])
+    m.bucket_buffer[slot.bucket] = m.acquire(kBuffers, bucket.padded * m.g_size, m.backend.compute_stream());
+  return m.bucket_buffer[slot.bucket] + (slot.offset - bucket.offset) * m.g_size;
+}
+
+void Engine::grad_ready(std::size_t param) {
+  ZERO_CHECK(param < layout_.params().size(), "grad_ready: parameter index ", param, " of ",
+             layout_.params().size());
+  Impl& m = *impl_;
+  ZERO_CHECK(!m.param_ready[param], "grad_ready('", layout_.params()[param].name,
+             "') called twice in one micro-step");
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_ready: all ", options_.accumulation_steps,
+             " micro-steps of this step are done; call step() first");
+  const std::size_t b = layout_.slots()[param].bucket;
+  if (!m.full_grads && !m.bucket_buffer[b]) grad_data(param);  // an unused parameter: zero gradient
+  m.param_ready[param] = 1;
+  if (++m.bucket_ready_count[b] < layout_.buckets()[b].param_count) return;
+  const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
+  if (m.reduce_only_at_boundary && !last_micro_step) return;
+  m.issue_reduce(b);
+}
+
+void Engine::finish_micro_step() {
+  Impl& m = *impl_;
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "finish_micro_step: all ",
+             options_.accumulation_steps, " micro-steps of this step are done; call step() first");
+  for (std::size_t p = 0; p < m.param_ready.size(); ++p)
+    if (!m.param_ready[p]) grad_ready(p);
+  m.complete_all();
+  // Stages 0-1 reducing every micro-step: the full buffer held only this
+  // micro-step's local gradient, now in the accumulator.
+  if (m.full_grads && m.shard_accumulator)
+    m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
+  std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
+  std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);
+  std::fill(m.bucket_reduced.begin(), m.bucket_reduced.end(), 0);
+  ++micro_step_;
+}
+
+// ---------------------------------------------------------------- optimizer
+
+StepResult Engine::step() {
+  Impl& m = *impl_;
+  ZERO_CHECK(micro_step_ == options_.accumulation_steps, "step() after ", micro_step_,
+             " micro-steps; accumulation_steps is ", options_.accumulation_steps,
+             " (call finish_micro_step() after each)");
+  Backend& be = m.backend;
+  const Stream compute = be.compute_stream();
+  const auto& buckets = layout_.buckets();
+
+  // Global statistics of the reduced gradients, each rank over the slices it
+  // owns, summed in rank order: the same bits at every stage.
+  std::vector<Backend::Span> spans(buckets.size());
+  for (std::size_t b = 0; b < buckets.size(); ++b) spans[b] = {m.reduced_grad(b), buckets[b].shard_size};
+  const GradStats local = be.grad_stats(spans.data(), spans.size(), m.gdt, compute);
+  std::array<double, 2> global = {local.sum_squares, local.nonfinite ? 1.0 : 0.0};
+  m.comm.all_reduce_host_f64(global.data(), 2, ReduceOp::sum);
+  const bool nonfinite = global[1] > 0 || !std::isfinite(global[0]);
+
+  // The reduced gradient is the rank average of the sum over micro-steps of
+  // (loss scale x gradient); the optimizer wants the plain mean.
+  const double scale_used = scaler_.scale();
+  const double divisor = scale_used * options_.accumulation_steps;
+  const bool proceed = scaler_.update(nonfinite) && !nonfinite;
+
+  StepResult result;
+  result.loss_scale = scaler_.scale();
+  result.grad_norm = nonfinite ? std::numeric_limits<double>::infinity() : std::sqrt(global[0]) / divisor;
+  if (proceed) {
+    consecutive_nonfinite_ = 0;
+    if (options_.max_grad_norm > 0 && result.grad_norm > options_.max_grad_norm)
+      result.clip_coefficient = options_.max_grad_norm / (result.grad_norm + 1e-6);
+    ++step_;
+    const StepScalars scalars =
+        make_step_scalars(options_.optimizer, step_, lr_, result.clip_coefficient / divisor);
+    const bool copy = m.pdt != DType::fp32;
+    const OptimizerOptions& opt = options_.optimizer;
+    if (m.stage == 0) {
+      // Every rank updates everything: it first needs every reduced slice.
+      std::vector<WorkPtr> gathers;
+      for (std::size_t b = 0; b < buckets.size(); ++b)
+        gathers.push_back(m.comm.all_gather(m.reduced_grad(b), m.grads_full + buckets[b].offset * m.g_size,
+                                            buckets[b].shard_size, m.gdt, be.comm_stream()));
+      for (auto& g : gathers) g->wait();
+      Event done = be.record_event(be.comm_stream());
+      be.stream_wait(compute, done);
+      be.release_event(done);
+      ShardUpdate u;
+      u.master = copy ? m.master : reinterpret_cast<float*>(m.params_full);
+      u.grad = m.grads_full;
+      u.grad_dtype = m.gdt;
+      u.state0 = m.state0;
+      u.state1 = m.state1;
+      u.model_copy = copy ? m.params_full : nullptr;
+      u.model_dtype = m.pdt;
+      u.count = layout_.padded_numel();
+      be.optimizer_step(opt, scalars, u, compute);
+    } else {
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        const std::size_t shard_offset = buckets[b].shard_offset;
+        ShardUpdate u;
+        u.master = m.master_slice(b);
+        u.grad = m.reduced_grad(b);
+        u.grad_dtype = m.gdt;
+        u.state0 = m.state0 ? m.state0 + shard_offset : nullptr;
+        u.state1 = m.state1 ? m.state1 + shard_offset : nullptr;
+        if (copy) {
+          u.model_copy = m.stage == 3 ? m.param_shard + shard_offset * m.p_size
+                                      : m.params_full + m.own_offset(b) * m.p_size;
+        }
+        u.model_dtype = m.pdt;
+        u.count = buckets[b].shard_size;
+        be.optimizer_step(opt, scalars, u, compute);
+      }
+      if (m.stage <= 2) {
+        // Bring every rank's updated slices back into the full parameters.
+        Event updated = be.record_event(compute);
+        be.stream_wait(be.comm_stream(), updated);
+        be.release_event(updated);
+        std::vector<WorkPtr> gathers;
+        for (std::size_t b = 0; b < buckets.size(); ++b)
+          gathers.push_back(m.comm.all_gather(m.params_full + m.own_offset(b) * m.p_size,
+                                              m.params_full + buckets[b].offset * m.p_size,
+                                              buckets[b].shard_size, m.pdt, be.comm_stream()));
+        for (auto& g : gathers) g->wait();
+        Event done = be.record_event(be.comm_stream());
+        be.stream_wait(compute, done);
+        be.release_event(done);
+      }
+    }
+  } else {
+    ++skipped_total_;
+    ++consecutive_nonfinite_;
+  }
+  result.applied = proceed;
+  result.step = step_;
+
+  if (m.grads_full) be.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, compute);
+  if (m.grad_shard) be.fill_zero(m.grad_shard, layout_.shard_numel() * m.g_size, compute);
+  std::fill(m.accumulator_has_data.begin(), m.accumulator_has_data.end(), 0);
+  micro_step_ = 0;
+  if (!proceed && options_.max_consecutive_nonfinite > 0 &&
+      consecutive_nonfinite_ >= options_.max_consecutive_nonfinite) {
+    ZERO_THROW(Error, consecutive_nonfinite_, " steps in a row had non-finite gradients (limit ",
+               options_.max_consecutive_nonfinite, "); stopping. Master weights are untouched since step ",
+               step_, ". Lower the learning rate or check the data.");
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------- inspection
+
+namespace {
+std::vector<std::vector<float>> split_params(const FlatLayout& layout, const std::vector<float>& full) {
+  std::vector<std::vector<float>> out(layout.params().size());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const ParamSlot& slot = layout.slots()[p];
+    out[p].assign(full.begin() + static_cast<std::ptrdiff_t>(slot.offset),
+                  full.begin() + static_cast<std::ptrdiff_t>(slot.offset + slot.numel));
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::vector<float>> Engine::gather_master_params() {
+  Impl& m = *impl_;
+  Backend& be = m.backend;
+  const std::size_t full = layout_.padded_numel();
+  std::vector<float> host(full);
+  be.synchronize(be.compute_stream());
+  if (m.stage == 0) {
+    be.copy_to_host(host.data(), m.pdt == DType::fp32 ? static_cast<const void*>(m.params_full) : m.master,
+                    full * 4);
+  } else {
+    float* gathered = static_cast<float*>(be.allocate(full * 4));
+    try {
+      std::vector<WorkPtr> works;
+      for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+        const Bucket& bucket = layout_.buckets()[b];
+        works.push_back(m.comm.all_gather(m.master_slice(b), gathered + bucket.offset, bucket.shard_size,
+                                          DType::fp32, be.comm_stream()));
+      }
+      for (auto& w : works) w->wait();
+      be.synchronize(be.comm_stream());
+      be.copy_to_host(host.data(), gathered, full * 4);
+    } catch (...) {
+      be.deallocate(gathered, full * 4);
+      throw;
+    }
+    be.deallocate(gathered, full * 4);
+  }
+  return split_params(layout_, host);
+}
+
+std::vector<std::vector<float>> Engine::gather_model_params() {
+  Impl& m = *impl_;
+  Backend& be = m.backend;
+  const std::size_t full = layout_.padded_numel();
+  std::vector<std::byte> raw(full * m.p_size);
+  be.synchronize(be.compute_stream());
+  if (m.stage < 3) {
+    be.copy_to_host(raw.data(), m.params_full, raw.size());
+  } else {
+    std::byte* gathered = static_cast<std::byte*>(be.allocate(raw.size()));
+    try {
+      std::vector<WorkPtr> works;
+      for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+        const Bucket& bucket = layout_.buckets()[b];
+        works.push_back(m.comm.all_gather(m.param_shard + bucket.shard_offset * m.p_size,
+                                          gathered + bucket.offset * m.p_size, bucket.shard_size, m.pdt,
+                                          be.comm_stream()));
+      }
+      for (auto& w : works) w->wait();
+      be.synchronize(be.comm_stream());
+      be.copy_to_host(raw.data(), gathered, raw.size());
+    } catch (...) {
+      be.deallocate(gathered, raw.size());
+      throw;
+    }
+    be.deallocate(gathered, raw.size());
+  }
+  std::vector<float> host(full);
+  for (std::size_t i = 0; i < full; ++i) host[i] = load_as_float(raw.data(), i, m.pdt);
+  return split_params(layout_, host);
+}
+
+// ---------------------------------------------------------------- memory
+
+MemoryByCategory Engine::memory() const {
+  const Impl& m = *impl_;
+  return {m.current[kParams], m.current[kGrads], m.current[kMaster], m.current[kState],
+          m.current[kBuffers] + m.comm.workspace_bytes()};
+}
+
+MemoryByCategory Engine::peak_memory() const {
+  const Impl& m = *impl_;
+  return {m.peak[kParams], m.peak[kGrads], m.peak[kMaster], m.peak[kState],
+          m.peak[kBuffers] + m.comm.peak_workspace_bytes()};
+}
+
+MemoryByCategory Engine::predicted_model_state() const {
+  return model_state_bytes({.numel = layout_.padded_numel(),
+                            .world_size = world_,
+                            .stage = options_.stage,
+                            .param_dtype = options_.param_dtype,
+                            .grad_dtype = options_.effective_grad_dtype(),
+                            .optimizer = options_.optimizer,
+                            .accumulation = options_.accumulation,
+                            .accumulation_steps = options_.accumulation_steps});
+}
+
+}  // namespace zero

@@ -1,1 +1,56 @@
-// placeholder, being written
+#include "zero/engine/memory_model.hpp"
+
+#include <cstdio>
+#include <sstream>
+
+namespace zero {
+
+MemoryByCategory model_state_bytes(const ModelStateConfig& c) {
+  ZERO_CHECK(c.world_size >= 1, "world_size must be >= 1, got ", c.world_size);
+  ZERO_CHECK(c.stage >= 0 && c.stage <= 3, "stage must be 0, 1, 2 or 3, got ", c.stage);
+  ZERO_CHECK(c.numel % static_cast<std::size_t>(c.world_size) == 0, "numel ", c.numel,
+             " is not a multiple of world_size ", c.world_size, " (pass the padded length)");
+  const std::size_t full = c.numel;
+  const std::size_t shard = c.numel / static_cast<std::size_t>(c.world_size);
+  const std::size_t p = size_of(c.param_dtype), g = size_of(c.grad_dtype);
+  const bool multi = c.accumulation_steps > 1;
+  MemoryByCategory m;
+  m.params = (c.stage == 3 ? shard : full) * p;
+  // Where reduced gradients live: stages 0-1 reduce in place into the full
+  // buffer unless several micro-steps are each reduced (then a sharded
+  // accumulator holds the running sum); stages 2-3 always keep the sharded
+  // accumulator. Where backward writes: a full buffer at stages 0-1 and when
+  // accumulating locally to the boundary over several micro-steps at 2-3;
+  // otherwise transient bucket buffers (counted as buffers).
+  const bool full_grads = c.stage <= 1 || (c.accumulation == GradAccumulation::reduce_at_boundary && multi);
+  const bool shard_accumulator =
+      c.stage >= 2 || (c.accumulation == GradAccumulation::reduce_each_micro_step && multi);
+  m.grads = (full_grads ? full * g : 0) + (shard_accumulator ? shard * g : 0);
+  const std::size_t optimizer_elements = c.stage == 0 ? full : shard;
+  m.master = c.param_dtype == DType::fp32 ? 0 : optimizer_elements * 4;
+  m.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * optimizer_elements * 4;
+  return m;
+}
+
+std::string format_bytes(std::size_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
+std::string format_memory(const MemoryByCategory& m) {
+  std::ostringstream out;
+  out << "params " << format_bytes(m.params) << ", grads " << format_bytes(m.grads) << ", master "
+      << format_bytes(m.master) << ", optimizer " << format_bytes(m.optimizer_state) << ", buffers "
+      << format_bytes(m.buffers) << ", total " << format_bytes(m.total());
+  return out.str();
+}
+
+}  // namespace zero

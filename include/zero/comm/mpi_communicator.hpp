@@ -1,0 +1,93 @@
+// MPI backend on host memory. Reductions are computed by zero itself, in rank
+// order with fp32 accumulation (reduce-scatter = one all-to-all, then a local
+// sum), so results are deterministic, bf16/fp16 work without custom MPI types,
+// and every stage that reduces the same bucket gets the same bits.
+#pragma once
+
+#include <mpi.h>
+
+#include <functional>
+#include <string>
+
+#include "zero/comm/communicator.hpp"
+#include "zero/core/error.hpp"
+
+/// Throws zero::CommError with MPI's error string when an MPI call fails.
+#define ZERO_CHECK_MPI(call)                                                         \
+  do {                                                                               \
+    const int zero_mpi_rc_ = (call);                                                 \
+    if (zero_mpi_rc_ != MPI_SUCCESS) {                                               \
+      char zero_mpi_text_[MPI_MAX_ERROR_STRING];                                     \
+      int zero_mpi_len_ = 0;                                                         \
+      MPI_Error_string(zero_mpi_rc_, zero_mpi_text_, &zero_mpi_len_);                \
+      ZERO_THROW(::zero::CommError, #call " failed: ", std::string(zero_mpi_text_, zero_mpi_len_)); \
+    }                                                                                \
+  } while (0)
+
+namespace zero {
+
+/// Initializes MPI (thread level FUNNELED: only the main thread calls MPI) if
+/// nobody has, and finalizes it on destruction if it did.
+class MpiSession {
+ public:
+  MpiSession(int* argc, char*** argv);
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+ private:
+  bool owns_ = false;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  /// Duplicates `comm` (the caller keeps its own) and makes MPI errors return
+  /// codes so that they become zero::CommError instead of aborting.
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
+  MemoryKind memory_kind() const override { return MemoryKind::host; }
+  std::string backend_name() const override { return "mpi"; }
+  MPI_Comm mpi_comm() const { return comm_; }
+
+  WorkPtr reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op,
+                         Stream stream = nullptr) override;
+  WorkPtr all_gather(const void* send, void* recv, std::size_t count, DType dtype,
+                     Stream stream = nullptr) override;
+  WorkPtr all_reduce(void* buffer, std::size_t count, DType dtype, ReduceOp op,
+                     Stream stream = nullptr) override;
+  WorkPtr broadcast(void* buffer, std::size_t count, DType dtype, int root,
+                    Stream stream = nullptr) override;
+  void barrier() override;
+  void all_reduce_host_f64(double* values, std::size_t count, ReduceOp op) override;
+
+  std::size_t workspace_bytes() const override { return workspace_bytes_; }
+  std::size_t peak_workspace_bytes() const override { return peak_workspace_bytes_; }
+
+ private:
+  friend class MpiWork;
+  void track_workspace(std::ptrdiff_t delta);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm node_comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
+  std::size_t workspace_bytes_ = 0, peak_workspace_bytes_ = 0;
+};
+
+/// Reduces `ranks` buffers of `count` elements laid out one after the other
+/// (rank 0 first) into out, in rank order with fp32 accumulation, rounding
+/// once. The definition every host collective uses; exposed for tests.
+void reduce_in_rank_order(const void* stacked, int ranks, std::size_t count, DType dtype,
+                          ReduceOp op, void* out);
+
+/// Runs main_body; on any exception prints it (with the rank) to stderr and
+/// calls MPI_Abort so that no other rank waits forever in a collective.
+int run_or_abort(const std::function<int()>& main_body);
+
+}  // namespace zero

@@ -1,0 +1,165 @@
+// The sharding engine. It owns the flat parameter and gradient buffers and
+// this rank's optimizer shard, and runs the stage 0..3 schedules against a
+// Backend (memory and kernels) and a Communicator (collectives). It knows
+// nothing of torch: a model hands it parameter sizes, writes gradients where
+// it is told, and reads parameters where it is told.
+//
+// One step, every stage:
+//   for each micro-step:
+//     [stage 3: gather_unit(u) before using unit u's parameters, release after]
+//     forward/backward; for each parameter: add its gradient into
+//     grad_data(id), then grad_ready(id). A bucket whose parameters are all
+//     ready is reduce-scattered (average over ranks) at once.
+//     finish_micro_step()
+//   step(): global grad norm (one scalar all-reduce), overflow check agreed
+//   across ranks, clipping and unscaling folded into the optimizer kernel,
+//   update of this rank's shard, then the parameter all-gather (stages 1-2).
+//
+// Every stage reduces gradients with the same bucketed reduce-scatter and
+// updates with the same element-wise kernel, so stages 0..3 produce the same
+// bits at the same world size.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "zero/comm/communicator.hpp"
+#include "zero/core/layout.hpp"
+#include "zero/engine/backend.hpp"
+#include "zero/engine/memory_model.hpp"
+#include "zero/optim/loss_scaler.hpp"
+#include "zero/optim/optimizer.hpp"
+
+namespace zero {
+
+struct EngineOptions {
+  int stage = 2;
+  /// Parameters as the model computes with them. fp32 needs no master copy.
+  DType param_dtype = DType::bf16;
+  /// Gradients as backward writes and the collectives reduce them; defaults
+  /// to param_dtype.
+  std::optional<DType> grad_dtype;
+  /// Target bucket size when parameters are grouped automatically.
+  std::size_t bucket_bytes = std::size_t{32} << 20;
+  /// Every parameter and every rank's bucket slice starts at a multiple of
+  /// this many elements.
+  std::size_t alignment_elements = 128;
+  int accumulation_steps = 1;
+  GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
+  /// Global-norm clipping threshold; 0 disables clipping.
+  double max_grad_norm = 0;
+  OptimizerOptions optimizer{};
+  /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
+  std::optional<bool> loss_scaling;
+  LossScalerOptions loss_scaler{};
+  /// Steps with non-finite gradients in a row before step() throws (0 = never).
+  /// Each such step is skipped and counted either way.
+  int max_consecutive_nonfinite = 0;
+
+  DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
+  bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
+  void validate() const;
+};
+
+struct StepResult {
+  bool applied = false;      // false: skipped for non-finite gradients
+  double grad_norm = 0;      // global L2 norm of the averaged, unscaled gradient, before clipping
+  double clip_coefficient = 1;
+  double loss_scale = 1;
+  std::int64_t step = 0;     // optimizer steps applied so far
+};
+
+class Engine {
+ public:
+  /// Parameters grouped automatically into buckets of about bucket_bytes.
+  Engine(std::vector<ParamSpec> params, const EngineOptions& options, Communicator& comm,
+         Backend& backend);
+  /// One bucket per group: the units of stage 3 (e.g. one UNet block each).
+  Engine(std::vector<std::vector<ParamSpec>> groups, const EngineOptions& options,
+         Communicator& comm, Backend& backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const EngineOptions& options() const { return options_; }
+  const FlatLayout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  std::size_t param_count() const { return layout_.params().size(); }
+  std::size_t unit_count() const { return layout_.buckets().size(); }
+  std::size_t unit_of(std::size_t param) const { return layout_.slots().at(param).bucket; }
+
+  // ------------------------------------------------------------ parameters
+  /// Sets parameter `param` from fp32 host values (numel of them). Every rank
+  /// must pass the same values; each keeps what its stage needs. The master
+  /// copy keeps the fp32 values, the model copy their rounding.
+  void set_param(std::size_t param, const float* host_values);
+  /// Model-dtype values of a parameter, in backend memory. Stages 0-2:
+  /// always valid. Stage 3: only while its unit is gathered.
+  const void* param_data(std::size_t param) const;
+  /// Stage 3: gathers unit u's parameters (waits for a prefetch if one was
+  /// issued). Other stages: no-op. Gathers nest: each needs a release.
+  void gather_unit(std::size_t unit);
+  /// Stage 3: issues the gather of unit u without waiting for it.
+  void prefetch_unit(std::size_t unit);
+  void release_unit(std::size_t unit);
+  bool unit_gathered(std::size_t unit) const;
+
+  // ------------------------------------------------------------ gradients
+  /// Where this micro-step's gradient of `param` is to be added (grad dtype,
+  /// numel elements, zeroed at the start of the micro-step).
+  void* grad_data(std::size_t param);
+  /// Declares param's gradient complete for this micro-step; the bucket is
+  /// reduce-scattered as soon as all its parameters are ready.
+  void grad_ready(std::size_t param);
+  /// Ends a micro-step: parameters never declared ready count as zero
+  /// gradients (unused parameters), every reduction issued is completed.
+  void finish_micro_step();
+  int micro_step() const { return micro_step_; }
+
+  // ------------------------------------------------------------ optimizer
+  /// Applies the optimizer after accumulation_steps micro-steps.
+  StepResult step();
+  void set_lr(double lr) { lr_ = lr; }
+  double lr() const { return lr_; }
+  double loss_scale() const { return scaler_.scale(); }
+  std::int64_t steps_applied() const { return step_; }
+  std::int64_t steps_skipped() const { return skipped_total_; }
+
+  // ------------------------------------------------------------ inspection (collective)
+  /// All parameters as fp32 master values, in parameter order, each numel long
+  /// (collective: every rank must call it). For tests and checkpoints.
+  std::vector<std::vector<float>> gather_master_params();
+  /// All parameters as model-dtype values widened to float (collective).
+  std::vector<std::vector<float>> gather_model_params();
+
+  // ------------------------------------------------------------ memory
+  /// Bytes held now, by category (communicator workspace in buffers).
+  MemoryByCategory memory() const;
+  /// The most held at once, per category, since construction.
+  MemoryByCategory peak_memory() const;
+  /// What model_state_bytes() predicts for this engine's padded layout.
+  MemoryByCategory predicted_model_state() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend);
+
+  EngineOptions options_;
+  FlatLayout layout_;
+  int rank_ = 0;
+  int world_ = 1;
+  int micro_step_ = 0;
+  std::int64_t step_ = 0;
+  std::int64_t skipped_total_ = 0;
+  int consecutive_nonfinite_ = 0;
+  double lr_ = 0;
+  DynamicLossScaler scaler_;
+};
+
+}  // namespace zero

@@ -1,0 +1,58 @@
+// The memory model: bytes of model state per rank by category, as the ZeRO
+// paper counts them, for a given stage, world size and precision. The engine
+// reports what it actually allocated; tests hold the two equal, and the
+// planner (zero-plan) builds on these functions.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "zero/core/dtype.hpp"
+#include "zero/optim/optimizer.hpp"
+
+namespace zero {
+
+enum class GradAccumulation {
+  /// Reduce-scatter every micro-step's gradients into the (sharded)
+  /// accumulator: least memory at stages 2-3, N x the communication.
+  reduce_each_micro_step,
+  /// Accumulate a full local gradient and reduce once at the boundary: one
+  /// reduction per step, but every rank holds a full gradient buffer.
+  reduce_at_boundary,
+};
+
+struct MemoryByCategory {
+  std::size_t params = 0;           // model-dtype parameters (full, shard, and live gathered units)
+  std::size_t grads = 0;            // gradient buffers and accumulators
+  std::size_t master = 0;           // fp32 master weights (0 when the model itself is fp32)
+  std::size_t optimizer_state = 0;  // fp32 moments
+  std::size_t buffers = 0;          // bucket buffers, scratch, communicator workspace
+  std::size_t model_state() const { return params + grads + master + optimizer_state; }
+  std::size_t total() const { return model_state() + buffers; }
+};
+
+struct ModelStateConfig {
+  std::size_t numel = 0;  // parameters Ψ (use the padded length for exact engine bytes)
+  int world_size = 1;
+  int stage = 0;
+  DType param_dtype = DType::bf16;
+  DType grad_dtype = DType::bf16;
+  OptimizerOptions optimizer{};
+  GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
+  int accumulation_steps = 1;
+};
+
+/// Persistent model-state bytes per rank (no transient buffers):
+///   params: Ψ·p, or Ψ·p/N at stage 3
+///   grads:  Ψ·g at stages 0-1, Ψ·g/N at stages 2-3; plus the other form
+///           where the accumulation mode needs both (see GradAccumulation)
+///   master: Ψ·4 at stage 0, Ψ·4/N at stages 1-3 (0 when params are fp32)
+///   state:  K·Ψ·4 at stage 0, K·Ψ·4/N at stages 1-3 (K = state slots)
+/// numel must be a multiple of world_size (padded).
+MemoryByCategory model_state_bytes(const ModelStateConfig& config);
+
+/// "params 1.00 GiB, grads ..." for logs.
+std::string format_memory(const MemoryByCategory& memory);
+std::string format_bytes(std::size_t bytes);
+
+}  // namespace zero

@@ -420,9 +420,9 @@ void Engine::finish_micro_step() {
   for (std::size_t p = 0; p < m.param_ready.size(); ++p)
     if (!m.param_ready[p]) grad_ready(p);
   m.complete_all();
-  // Stages 0-1 reducing every micro-step: the full buffer held only this
-  // micro-step's local gradient, now in the accumulator.
-  if (m.full_grads && m.shard_accumulator)
+  // Reducing every micro-step out of a full buffer (stages 0-1): it held only
+  // this micro-step's local gradient, now in the accumulator.
+  if (m.full_grads && m.shard_accumulator && !m.reduce_only_at_boundary)
     m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
   std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
   std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);

@@ -87,6 +87,9 @@ struct OptimizerOptions {
 /// Per-step scalars, computed once on the host (float, as the kernels use them).
 struct StepScalars {
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  // 1 - beta computed in double and rounded once: 1.0f - 0.999f would carry
+  // the rounding of beta2 (1.3e-5 relative) into every second moment.
+  float one_minus_beta1 = 1, one_minus_beta2 = 1;
   float bias_correction1 = 1;       // 1 - beta1^t
   float bias_correction2_sqrt = 1;  // sqrt(1 - beta2^t)
   float momentum = 0, dampening = 0;
@@ -107,6 +110,8 @@ inline StepScalars make_step_scalars(const OptimizerOptions& o, std::int64_t ste
   s.beta2 = static_cast<float>(o.beta2);
   s.eps = static_cast<float>(o.eps);
   s.weight_decay = static_cast<float>(o.weight_decay);
+  s.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
   s.bias_correction1 = static_cast<float>(1.0 - std::pow(o.beta1, static_cast<double>(step)));
   s.bias_correction2_sqrt =
       static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(step))));
@@ -125,19 +130,19 @@ inline StepScalars make_step_scalars(const OptimizerOptions& o, std::int64_t ste
 ZERO_HOST_DEVICE void adamw_element(float& param, float& m, float& v, float g, const StepScalars& s) {
   g = g * s.grad_scale;
   param = param * (1.0f - s.lr * s.weight_decay);
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * (g * g);
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
   const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
   param = param - (s.lr / s.bias_correction1) * (m / denom);
 }
 
 ZERO_HOST_DEVICE void lion_element(float& param, float& m, float g, const StepScalars& s) {
   g = g * s.grad_scale;
-  const float c = s.beta1 * m + (1.0f - s.beta1) * g;
+  const float c = s.beta1 * m + s.one_minus_beta1 * g;
   const float sign = static_cast<float>((c > 0.0f) - (c < 0.0f));
   param = param * (1.0f - s.lr * s.weight_decay);
   param = param - s.lr * sign;
-  m = s.beta2 * m + (1.0f - s.beta2) * g;
+  m = s.beta2 * m + s.one_minus_beta2 * g;
 }
 
 /// buf may be nullptr-equivalent when momentum == 0 (has_momentum false).

@@ -1,0 +1,184 @@
+// Per-rank memory by category equals the ZeRO model-state formula; bad input
+// gives clear errors on every rank (no hang, no crash); fp16 overflow skips.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "zero/comm/mpi_communicator.hpp"
+#include "zero/engine/engine.hpp"
+
+using namespace zero;
+
+namespace {
+
+// A model the size of a few transformer layers, with awkward (prime) sizes.
+std::vector<std::vector<ParamSpec>> awkward_units() {
+  std::vector<std::vector<ParamSpec>> units;
+  const std::size_t sizes[] = {1, 4099, 65537, 3, 131071, 17, 8191, 0, 524287};
+  for (int u = 0; u < 3; ++u) {
+    std::vector<ParamSpec> unit;
+    for (int i = 0; i < 3; ++i) unit.push_back({"u" + std::to_string(u) + ".p" + std::to_string(i), sizes[u * 3 + i], {}});
+    units.push_back(unit);
+  }
+  return units;
+}
+
+void run_one_step(Engine& engine) {
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    void* g = engine.grad_data(p);
+    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+      store_from_float(g, k, engine.options().effective_grad_dtype(), 1e-3f * static_cast<float>(k % 7));
+    engine.grad_ready(p);
+  }
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
+  engine.finish_micro_step();
+  engine.step();
+}
+
+}  // namespace
+
+TEST_CASE("per-rank memory equals the ZeRO formula at every stage") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (DType dtype : {DType::bf16, DType::fp32}) {
+      for (int accumulation : {1, 4}) {
+        for (GradAccumulation mode : {GradAccumulation::reduce_each_micro_step, GradAccumulation::reduce_at_boundary}) {
+          CAPTURE(stage);
+          CAPTURE(dtype);
+          CAPTURE(accumulation);
+          CAPTURE(static_cast<int>(mode));
+          EngineOptions o;
+          o.stage = stage;
+          o.param_dtype = dtype;
+          o.accumulation_steps = accumulation;
+          o.accumulation = mode;
+          Engine engine(awkward_units(), o, comm, *backend);
+          const std::size_t psi = engine.layout().param_numel();
+          const std::size_t padded = engine.layout().padded_numel();
+          // Stated padding: at most one aligned slot per rank per parameter and bucket.
+          CHECK(padded - psi <= (engine.layout().params().size() + engine.unit_count()) * n * o.alignment_elements);
+          const MemoryByCategory m = engine.memory();
+          const MemoryByCategory f = engine.predicted_model_state();
+          CHECK(m.params == f.params);
+          CHECK(m.grads == f.grads);
+          CHECK(m.master == f.master);
+          CHECK(m.optimizer_state == f.optimizer_state);
+          CHECK(m.buffers == 0);  // nothing transient before the first step
+          const std::size_t p = size_of(dtype);
+          const bool full_grads = stage <= 1 || (mode == GradAccumulation::reduce_at_boundary && accumulation > 1);
+          const bool shard_grads = stage >= 2 || (mode == GradAccumulation::reduce_each_micro_step && accumulation > 1);
+          CHECK(m.params == (stage == 3 ? padded / n : padded) * p);
+          CHECK(m.grads == (full_grads ? padded * p : 0) + (shard_grads ? padded / n * p : 0));
+          CHECK(m.master == (dtype == DType::fp32 ? 0 : (stage == 0 ? padded : padded / n) * 4));
+          CHECK(m.optimizer_state == (stage == 0 ? padded : padded / n) * 8);
+          if (stage == 3 && dtype == DType::bf16 && accumulation == 1)
+            CHECK(m.model_state() == (2 + 2 + 12) * padded / n);  // the ZeRO paper's stage-3 figure
+          // After a step: transient buffers are released to the cache, model
+          // state unchanged; stage 3 holds no gathered unit.
+          for (int micro = 0; micro < accumulation - 1; ++micro) {
+            for (std::size_t q = 0; q < engine.param_count(); ++q) engine.grad_ready(q);
+            engine.finish_micro_step();
+          }
+          run_one_step(engine);
+          const MemoryByCategory after = engine.memory();
+          CHECK(after.model_state() == m.model_state());
+          if (stage == 3) {
+            // While gathered, all units' full parameters were counted as params.
+            std::size_t all_units = 0;
+            for (const Bucket& b : engine.layout().buckets()) all_units += b.padded * p;
+            CHECK(engine.peak_memory().params == padded / n * p + all_units);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("ranks that disagree on the model get a clear error on every rank") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  auto units = awkward_units();
+  if (comm.rank() == comm.size() - 1) units[0].push_back({"extra", 10, {}});
+  if (comm.size() > 1) {
+    CHECK_THROWS_WITH_AS(Engine(units, EngineOptions{}, comm, *backend), doctest::Contains("ranks disagree on the model"),
+                         InvalidArgument);
+  }
+}
+
+TEST_CASE("misuse of the engine API is a clear error") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  EngineOptions o;
+  o.stage = 3;
+  Engine engine(awkward_units(), o, comm, *backend);
+  CHECK_THROWS_WITH_AS(engine.param_data(0), doctest::Contains("is not gathered"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.param_data(99), doctest::Contains("parameter index 99 of 9"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.release_unit(0), doctest::Contains("unit 0 is not gathered"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("step() after 0 micro-steps"), InvalidArgument);
+  engine.grad_data(1);
+  engine.grad_ready(1);
+  CHECK_THROWS_WITH_AS(engine.grad_ready(1), doctest::Contains("called twice"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.grad_data(1), doctest::Contains("already declared ready"), InvalidArgument);
+  engine.finish_micro_step();
+  CHECK_THROWS_WITH_AS(engine.grad_data(1), doctest::Contains("call step() first"), InvalidArgument);
+  engine.step();
+  EngineOptions bad;
+  bad.stage = 5;
+  CHECK_THROWS_WITH_AS(Engine(awkward_units(), bad, comm, *backend), doctest::Contains("stage must be 0, 1, 2 or 3"),
+                       InvalidArgument);
+}
+
+TEST_CASE("fp16: an overflow on one rank skips the step everywhere and backs the loss scale off") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  for (int stage = 0; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    EngineOptions o;
+    o.stage = stage;
+    o.param_dtype = DType::fp16;
+    o.loss_scaler = {.initial_scale = 1024, .hysteresis = 1};
+    o.max_consecutive_nonfinite = 3;
+    Engine engine(awkward_units(), o, comm, *backend);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal;
+    for (std::size_t p = 0; p < engine.param_count(); ++p) {
+      std::vector<float> values(engine.layout().params()[p].numel);
+      for (float& x : values) x = normal(rng);
+      engine.set_param(p, values.data());
+    }
+    const auto before = engine.gather_master_params();
+    auto micro_step = [&](bool overflow) {
+      for (std::size_t p = 0; p < engine.param_count(); ++p) {
+        void* g = engine.grad_data(p);
+        const std::size_t numel = engine.layout().params()[p].numel;
+        for (std::size_t k = 0; k < numel; ++k) store_from_float(g, k, DType::fp16, 0.5f);
+        // The last rank's gradient overflows fp16 in one element.
+        if (overflow && comm.rank() == comm.size() - 1 && numel > 0) store_from_float(g, numel - 1, DType::fp16, INFINITY);
+        engine.grad_ready(p);
+      }
+      engine.finish_micro_step();
+    };
+    micro_step(true);
+    StepResult r = engine.step();
+    CHECK_FALSE(r.applied);
+    CHECK(r.loss_scale == 512);
+    CHECK(engine.steps_skipped() == 1);
+    CHECK(engine.gather_master_params() == before);  // master weights untouched
+    micro_step(false);
+    r = engine.step();
+    CHECK(r.applied);
+    CHECK(r.step == 1);
+    CHECK(engine.gather_master_params() != before);
+    micro_step(true);
+    engine.step();
+    micro_step(true);
+    engine.step();
+    micro_step(true);
+    CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("3 steps in a row had non-finite gradients"), Error);
+  }
+}

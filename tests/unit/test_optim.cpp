@@ -1,0 +1,255 @@
+// Optimizer kernels against a float64 definition; vectorized == reference bit
+// for bit; gradient statistics; loss scaling.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "zero/optim/loss_scaler.hpp"
+#include "zero/optim/optimizer.hpp"
+
+using namespace zero;
+
+namespace {
+
+struct Arrays {
+  std::vector<float> master, m, v;
+  std::vector<std::uint16_t> grad16;
+  std::vector<float> grad32;
+  std::vector<std::uint16_t> copy16;
+  std::vector<float> copy32;
+};
+
+Arrays random_arrays(std::size_t n, DType grad_dtype, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> positive(1e-6f, 1e-2f);
+  Arrays a;
+  a.master.resize(n);
+  a.m.resize(n);
+  a.v.resize(n);
+  a.grad32.resize(n);
+  a.grad16.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    a.master[i] = normal(rng);
+    a.m[i] = 0.1f * normal(rng);
+    a.v[i] = positive(rng);
+    const float g = 0.5f * normal(rng);
+    if (grad_dtype == DType::fp32) a.grad32[i] = g;
+    else store_from_float(a.grad16.data(), i, grad_dtype, g);
+  }
+  a.copy16.assign(n, 0xffff);  // poison: NaN in both bf16 and fp16
+  a.copy32.assign(n, std::nanf(""));
+  return a;
+}
+
+ShardUpdate view(Arrays& a, DType grad_dtype, DType copy_dtype, bool with_copy, int slots) {
+  ShardUpdate u;
+  u.master = a.master.data();
+  u.grad = grad_dtype == DType::fp32 ? static_cast<const void*>(a.grad32.data()) : a.grad16.data();
+  u.grad_dtype = grad_dtype;
+  u.state0 = slots >= 1 ? a.m.data() : nullptr;
+  u.state1 = slots >= 2 ? a.v.data() : nullptr;
+  if (with_copy) u.model_copy = copy_dtype == DType::fp32 ? static_cast<void*>(a.copy32.data()) : a.copy16.data();
+  u.model_dtype = copy_dtype;
+  u.count = a.master.size();
+  return u;
+}
+
+// Float64 definitions, written independently of optimizer.hpp.
+void reference_f64(const OptimizerOptions& o, std::int64_t step, double lr, double grad_scale, double& p,
+                   double& m, double& v, double g) {
+  g *= grad_scale;
+  switch (o.kind) {
+    case OptimizerKind::adamw: {
+      p *= 1 - lr * o.weight_decay;
+      m = o.beta1 * m + (1 - o.beta1) * g;
+      v = o.beta2 * v + (1 - o.beta2) * g * g;
+      const double mhat = m / (1 - std::pow(o.beta1, step));
+      const double vhat = v / (1 - std::pow(o.beta2, step));
+      p -= lr * mhat / (std::sqrt(vhat) + o.eps);
+      break;
+    }
+    case OptimizerKind::lion: {
+      const double c = o.beta1 * m + (1 - o.beta1) * g;
+      p *= 1 - lr * o.weight_decay;
+      p -= lr * ((c > 0) - (c < 0));
+      m = o.beta2 * m + (1 - o.beta2) * g;
+      break;
+    }
+    case OptimizerKind::sgd: {
+      g += o.weight_decay * p;
+      if (o.momentum > 0) {
+        m = step == 1 ? g : o.momentum * m + (1 - o.dampening) * g;
+        g = o.nesterov ? g + o.momentum * m : m;
+      }
+      p -= lr * g;
+      break;
+    }
+  }
+}
+
+std::vector<OptimizerOptions> all_optimizers() {
+  OptimizerOptions adamw;
+  adamw.lr = 1e-3;
+  adamw.weight_decay = 0.1;
+  OptimizerOptions lion;
+  lion.kind = OptimizerKind::lion;
+  lion.lr = 1e-4;
+  lion.beta1 = 0.9;
+  lion.beta2 = 0.99;
+  lion.weight_decay = 0.5;
+  OptimizerOptions sgd;
+  sgd.kind = OptimizerKind::sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  sgd.nesterov = true;
+  sgd.weight_decay = 1e-4;
+  OptimizerOptions sgd_plain = sgd;
+  sgd_plain.momentum = 0;
+  sgd_plain.nesterov = false;
+  OptimizerOptions sgd_damped = sgd;
+  sgd_damped.nesterov = false;
+  sgd_damped.dampening = 0.3;
+  return {adamw, lion, sgd, sgd_plain, sgd_damped};
+}
+
+float ulp_of(DType dtype, float x) {
+  const int mantissa = dtype == DType::bf16 ? 7 : 10;
+  const int min_exponent = dtype == DType::bf16 ? -126 : -14;
+  int e = x == 0 ? min_exponent : std::max(std::ilogb(x), min_exponent);
+  return std::ldexp(1.0f, e - mantissa);
+}
+
+}  // namespace
+
+TEST_CASE("CPU optimizer kernels match float64 and agree bit for bit") {
+  std::mt19937 rng(2026);
+  const std::size_t sizes[] = {0, 1, 7, 31, 97, 1021, 65536 + 13, 300007};
+  for (const OptimizerOptions& o : all_optimizers()) {
+    for (DType grad_dtype : kAllDTypes) {
+      for (DType copy_dtype : kAllDTypes) {
+        for (std::size_t n : sizes) {
+          CAPTURE(name_of(o.kind));
+          CAPTURE(o.momentum);
+          CAPTURE(grad_dtype);
+          CAPTURE(copy_dtype);
+          CAPTURE(n);
+          Arrays ref = random_arrays(n, grad_dtype, rng);
+          Arrays vec = ref;
+          const int slots = o.state_slots();
+          const double grad_scale = 0.37;
+          for (std::int64_t step = 1; step <= 3; ++step) {
+            const Arrays before = ref;
+            const StepScalars s = make_step_scalars(o, step, o.lr, grad_scale);
+            cpu_optimizer_step(o, s, view(ref, grad_dtype, copy_dtype, true, slots), CpuKernel::reference);
+            cpu_optimizer_step(o, s, view(vec, grad_dtype, copy_dtype, true, slots), CpuKernel::vectorized);
+            REQUIRE(std::memcmp(ref.master.data(), vec.master.data(), n * 4) == 0);
+            REQUIRE(std::memcmp(ref.m.data(), vec.m.data(), n * 4) == 0);
+            REQUIRE(std::memcmp(ref.v.data(), vec.v.data(), n * 4) == 0);
+            if (copy_dtype == DType::fp32) REQUIRE(std::memcmp(ref.copy32.data(), vec.copy32.data(), n * 4) == 0);
+            else REQUIRE(std::memcmp(ref.copy16.data(), vec.copy16.data(), n * 2) == 0);
+            double worst = 0;
+            for (std::size_t i = 0; i < n; ++i) {
+              double p = before.master[i], m = before.m[i], v = before.v[i];
+              const double g = load_as_float(grad_dtype == DType::fp32 ? static_cast<const void*>(before.grad32.data())
+                                                                       : before.grad16.data(),
+                                             i, grad_dtype);
+              reference_f64(o, step, o.lr, grad_scale, p, m, v, g);
+              // Relative to the larger of the old and new value (an update that
+              // lands near zero cancels; its rounding is that of the inputs).
+              worst = std::max(worst, std::fabs(ref.master[i] - p) /
+                                          std::max({std::fabs(p), std::fabs(static_cast<double>(before.master[i])), o.lr}));
+              // Moments are sums of two terms that may cancel: measure against
+              // the size of the terms (the error of one rounding of each).
+              const double terms = std::fabs(o.kind == OptimizerKind::sgd ? o.momentum : o.kind == OptimizerKind::adamw ? o.beta1 : o.beta2) * std::fabs(before.m[i]) +
+                                   std::fabs(g * grad_scale) + std::fabs(o.weight_decay * before.master[i]);
+              if (slots >= 1) worst = std::max(worst, std::fabs(ref.m[i] - m) / std::max(std::fabs(m), terms));
+              if (slots >= 2) worst = std::max(worst, std::fabs(ref.v[i] - v) / std::max(std::fabs(v), 1e-6));
+              const float copy = load_as_float(copy_dtype == DType::fp32 ? static_cast<const void*>(ref.copy32.data())
+                                                                         : ref.copy16.data(),
+                                               i, copy_dtype);
+              REQUIRE(std::isfinite(copy));  // poison overwritten
+              if (copy_dtype != DType::fp32)
+                REQUIRE(std::fabs(copy - round_to(copy_dtype, static_cast<float>(p))) <= ulp_of(copy_dtype, static_cast<float>(p)));
+            }
+            CHECK(worst <= 1e-6);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gradient statistics: float64 sum of squares, independent of threads, non-finite detected") {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (DType dtype : kAllDTypes) {
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000003}}) {
+      std::vector<std::byte> data(n * size_of(dtype));
+      double expected = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        store_from_float(data.data(), i, dtype, normal(rng));
+        const double x = load_as_float(data.data(), i, dtype);
+        expected += x * x;
+      }
+      const GradStats vec = cpu_grad_stats(data.data(), n, dtype, CpuKernel::vectorized);
+      const GradStats ref = cpu_grad_stats(data.data(), n, dtype, CpuKernel::reference);
+      CHECK(vec.sum_squares == ref.sum_squares);
+      CHECK(vec.sum_squares == doctest::Approx(expected).epsilon(1e-12));
+      CHECK_FALSE(vec.nonfinite);
+      if (n > 0) {
+        store_from_float(data.data(), n / 2, dtype, std::nanf(""));
+        CHECK(cpu_grad_stats(data.data(), n, dtype).nonfinite);
+        store_from_float(data.data(), n / 2, dtype, INFINITY);
+        CHECK(cpu_grad_stats(data.data(), n, dtype).nonfinite);
+      }
+    }
+  }
+}
+
+TEST_CASE("conversion and accumulation helpers round once") {
+  std::vector<float> src = {1.0f, 1.00390625f, -3.5f, 65504.0f, 1e-8f};
+  std::vector<std::uint16_t> bf(src.size());
+  cpu_convert(src.data(), DType::fp32, bf.data(), DType::bf16, src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) CHECK(bf16_bits_to_float(bf[i]) == round_to(DType::bf16, src[i]));
+  std::vector<std::uint16_t> acc = bf;
+  cpu_accumulate(acc.data(), bf.data(), DType::bf16, bf.size());
+  for (std::size_t i = 0; i < src.size(); ++i)
+    CHECK(bf16_bits_to_float(acc[i]) == round_to(DType::bf16, 2 * bf16_bits_to_float(bf[i])));
+}
+
+TEST_CASE("kernels reject missing state with a clear message") {
+  OptimizerOptions o;
+  std::vector<float> p(4, 1.0f), g(4, 1.0f);
+  ShardUpdate u;
+  u.master = p.data();
+  u.grad = g.data();
+  u.count = 4;
+  CHECK_THROWS_WITH_AS(cpu_optimizer_step(o, make_step_scalars(o, 1, 1e-3, 1), u),
+                       doctest::Contains("adamw needs state0"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(make_step_scalars(o, 0, 1e-3, 1), doctest::Contains("step must be >= 1"), InvalidArgument);
+}
+
+TEST_CASE("dynamic loss scaler: backoff after hysteresis, growth after the interval, bounds") {
+  DynamicLossScaler scaler({.initial_scale = 1024, .growth_interval = 3, .hysteresis = 2});
+  CHECK(scaler.update(false));
+  CHECK(scaler.update(false));
+  CHECK(scaler.update(false));
+  CHECK(scaler.scale() == 2048);
+  CHECK_FALSE(scaler.update(true));  // first overflow: skipped, hysteresis absorbs it
+  CHECK(scaler.scale() == 2048);
+  CHECK_FALSE(scaler.update(true));  // second: back off
+  CHECK(scaler.scale() == 1024);
+  CHECK(scaler.skipped_steps() == 2);
+  DynamicLossScaler floor({.initial_scale = 2, .hysteresis = 1, .min_scale = 1});
+  floor.update(true);
+  floor.update(true);
+  CHECK(floor.scale() == 1);
+  DynamicLossScaler fixed({.dynamic = false, .initial_scale = 128});
+  CHECK_FALSE(fixed.update(true));
+  CHECK(fixed.scale() == 128);
+  CHECK_THROWS_AS(DynamicLossScaler({.initial_scale = -1}), InvalidArgument);
+}

@@ -23,6 +23,8 @@ void EngineOptions::validate() const {
              "EngineOptions.accumulation: unknown mode ", static_cast<int>(accumulation));
   ZERO_CHECK(std::isfinite(max_grad_norm) && max_grad_norm >= 0,
              "EngineOptions.max_grad_norm must be finite and >= 0 (0 disables), got ", max_grad_norm);
+  ZERO_CHECK(max_reductions_in_flight >= 1, "EngineOptions.max_reductions_in_flight must be >= 1, got ",
+             max_reductions_in_flight);
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
   optimizer.validate();
   if (effective_loss_scaling()) loss_scaler.validate();
@@ -62,6 +64,10 @@ struct Engine::Impl {
 
   std::array<std::size_t, kCategories> current{}, peak{};
   std::map<std::size_t, std::vector<void*>> free_blocks;  // reusable transient blocks by size
+  std::size_t free_bytes = 0;
+  // Free blocks kept for reuse at most: two of the largest bucket. More would
+  // let stage 3's released units pile up into a full copy of the model.
+  std::size_t cache_limit = 0;
 
   // Per micro-step bookkeeping.
   std::vector<char> param_ready;
@@ -122,6 +128,7 @@ struct Engine::Impl {
     if (!blocks.empty()) {
       p = static_cast<std::byte*>(blocks.back());
       blocks.pop_back();
+      free_bytes -= bytes;
       count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
     } else {
       p = static_cast<std::byte*>(backend.allocate(bytes));
@@ -130,11 +137,20 @@ struct Engine::Impl {
     count(c, static_cast<std::ptrdiff_t>(bytes));
     return p;
   }
-  /// Returns a transient block; it stays allocated, counted as buffers.
+  /// Returns a transient block: kept for reuse (counted as buffers) while
+  /// the cache is under its limit, freed otherwise.
   void give_back(Category c, void* p, std::size_t bytes) {
     count(c, -static_cast<std::ptrdiff_t>(bytes));
+    if (free_bytes + bytes > cache_limit) {
+      // The device path orders frees after the work queued on these streams.
+      backend.synchronize(backend.comm_stream());
+      backend.synchronize(backend.compute_stream());
+      backend.deallocate(p, bytes);
+      return;
+    }
     count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
     free_blocks[bytes].push_back(p);
+    free_bytes += bytes;
   }
 
   // ---------------------------------------------------------------- addresses
@@ -184,6 +200,12 @@ struct Engine::Impl {
                                      backend.comm_stream());
     bucket_reduced[b] = 1;
     pending.push_back(std::move(entry));
+    // Bound the memory of reductions in flight (their input buffers and the
+    // communicator's scratch): complete the oldest beyond the limit.
+    while (pending.size() > static_cast<std::size_t>(options.max_reductions_in_flight)) {
+      complete(pending.front());
+      pending.pop_front();
+    }
   }
 
   void complete(Pending& entry) {
@@ -279,6 +301,9 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   if (m.full_grads) m.grads_full = m.allocate(kGrads, full * m.g_size);
   if (m.shard_accumulator) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
 
+  std::size_t largest_bucket = 0;
+  for (const Bucket& b : layout_.buckets()) largest_bucket = std::max(largest_bucket, b.padded);
+  m.cache_limit = 2 * largest_bucket * std::max(m.p_size, m.g_size);
   const std::size_t buckets = layout_.buckets().size();
   m.param_ready.assign(layout_.params().size(), 0);
   m.bucket_ready_count.assign(buckets, 0);

@@ -56,6 +56,9 @@ struct EngineOptions {
   /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
   std::optional<bool> loss_scaling;
   LossScalerOptions loss_scaler{};
+  /// Bucket reductions allowed in flight before the oldest is waited for:
+  /// overlap against memory for bucket buffers and communicator scratch.
+  int max_reductions_in_flight = 2;
   /// Steps with non-finite gradients in a row before step() throws (0 = never).
   /// Each such step is skipped and counted either way.
   int max_consecutive_nonfinite = 0;

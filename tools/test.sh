@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command: installs what is needed, builds every CPU target, runs
+# every test (unit, MPI at several world sizes, install, io, SDXL on CPU),
+# and compiles and links the CUDA build where nvcc is present (it cannot run
+# without a GPU; GPU tests are labelled `gpu` and run on the GPU machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install-deps.sh
+export OMPI_MCA_rmaps_base_oversubscribe=1
+jobs=$(nproc)
+
+cmake --preset cpu-torch
+cmake --build --preset cpu-torch -j "$jobs"
+ctest --preset cpu-torch -j 1 --timeout 1200
+
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== CUDA build (compile and link only: no GPU here) =="
+  cmake --preset cuda -DZERO_BUILD_TESTS=ON
+  cmake --build --preset cuda -j "$jobs"
+fi

@@ -15,6 +15,6 @@ ctest --preset cpu-torch -j 1 --timeout 1200
 
 if [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "== CUDA build (compile and link only: no GPU here) =="
-  cmake --preset cuda -DZERO_BUILD_TESTS=ON
+  cmake --preset cuda -DZERO_WITH_TORCH=OFF
   cmake --build --preset cuda -j "$jobs"
 fi

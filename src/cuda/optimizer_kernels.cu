@@ -5,8 +5,9 @@
 // - each thread handles 8 consecutive elements per iteration, loaded and
 //   stored with 16-byte accesses (two float4 for fp32, one uint4 for 16-bit),
 //   every load of the chunk issued before the first use;
-// - a grid sized to the data, capped at SM count * blocks-per-SM, strides over
-//   the chunks;
+// - a grid sized to the data (one chunk per thread by default; LaunchTuning
+//   can cap it at SM count * blocks per SM, and the threads then stride over
+//   the remaining chunks);
 // - the few elements before the first 16-byte boundary (the "head") and after
 //   the last full chunk (the "tail") are done one at a time by the first
 //   threads; when the buffers' relative alignment makes a common boundary

@@ -13,6 +13,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "zero/core/error.hpp"
@@ -26,7 +28,9 @@ static_assert(std::endian::native == std::endian::little,
 namespace zero::io {
 namespace {
 
-using Json = nlohmann::ordered_json;
+// std::map-backed objects: ordered_json looks keys up linearly, which makes a
+// header of n tensors cost O(n^2) to parse, a hang for a hostile 100 MB header.
+using Json = nlohmann::json;
 
 // The reference implementation's limit: a larger header is far more likely a
 // corrupt length than a real checkpoint, and parsing it would cost gigabytes.
@@ -53,18 +57,6 @@ bool mul_overflows(std::uint64_t a, std::uint64_t b, std::uint64_t& out) {
   return __builtin_mul_overflow(a, b, &out);
 }
 
-// A short rendering of a header value for messages: a hostile header may hold
-// megabytes in one field.
-std::string brief(const Json& value) {
-  std::string text = value.dump();
-  constexpr std::size_t kLimit = 80;
-  if (text.size() > kLimit) {
-    text.resize(kLimit);
-    text += "...";
-  }
-  return text;
-}
-
 std::string brief_text(std::string_view text) {
   constexpr std::size_t kLimit = 80;
   if (text.size() <= kLimit) return std::string(text);
@@ -72,6 +64,42 @@ std::string brief_text(std::string_view text) {
   std::size_t cut = kLimit;
   while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0u) == 0x80u) --cut;
   return std::string(text.substr(0, cut)) + "...";
+}
+
+// A short rendering of a header value for messages. Not Json::dump(): a
+// hostile header may hold megabytes in one field or nest arrays a million
+// deep, and dump() would copy all of it or recurse until the stack overflows.
+void render_brief(const Json& value, int depth, std::string& out, std::size_t limit) {
+  if (out.size() >= limit) return;
+  if (value.is_string()) {
+    out += Json(brief_text(value.get_ref<const std::string&>())).dump();
+    return;
+  }
+  if (!value.is_array() && !value.is_object()) {
+    out += value.dump();
+    return;
+  }
+  const bool array = value.is_array();
+  out += array ? '[' : '{';
+  if (depth >= 3 && !value.empty()) {
+    out += "...";
+  } else {
+    bool first = true;
+    for (auto it = value.begin(); it != value.end(); ++it) {
+      if (out.size() >= limit) break;
+      if (!first) out += ", ";
+      first = false;
+      if (!array) out += Json(it.key()).dump() + ": ";
+      render_brief(it.value(), depth + 1, out, limit);
+    }
+  }
+  out += array ? ']' : '}';
+}
+
+std::string brief(const Json& value) {
+  std::string out;
+  render_brief(value, 0, out, 80);
+  return brief_text(out);
 }
 
 // nlohmann's parse errors quote the offending input, which may be arbitrary
@@ -121,45 +149,77 @@ bool as_count(const Json& value, std::uint64_t limit, std::uint64_t& out) {
   return false;
 }
 
-// nlohmann keeps the first of two equal keys and says nothing, so a header
-// naming a tensor twice would silently drop one; the parse callback sees every
-// key and records the first repeat.
-struct DuplicateKeyFinder {
-  std::vector<std::set<std::string>> open_objects;
-  std::string top_level_key;
-  std::string duplicate;
-  std::string duplicate_parent;  // empty when the duplicate is a top-level key
-  bool found = false;
+// A first, DOM-less pass over the header. It finds repeated keys, which the
+// DOM would silently collapse into one, and records the order of the
+// top-level keys, which the DOM's std::map forgets. (nlohmann's parser
+// callback could find repeats too, but it rescans the parent object after
+// every nested one: O(n^2) in the number of tensors.)
+class KeyScanner {
+ public:
+  using string_t = Json::string_t;
 
-  bool operator()(int /*depth*/, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start: open_objects.emplace_back(); break;
-      case Json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        if (open_objects.empty() || !parsed.is_string()) break;
-        const std::string& key = parsed.get_ref<const std::string&>();
-        if (open_objects.size() == 1) top_level_key = key;
-        if (!open_objects.back().insert(key).second && !found) {
-          found = true;
-          duplicate = key;
-          if (open_objects.size() > 1) duplicate_parent = top_level_key;
-        }
-        break;
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const string_t&) { return true; }
+  bool string(string_t&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_array(std::size_t) {
+    ++depth_;
+    return true;
+  }
+  bool end_array() {
+    --depth_;
+    return true;
+  }
+  bool start_object(std::size_t) {
+    ++depth_;
+    if (depth_ > 1) nested_keys_.emplace_back();
+    return true;
+  }
+  bool end_object() {
+    if (depth_ > 1) nested_keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool key(string_t& key) {
+    if (depth_ == 1) {
+      current_top_level_ = key;
+      if (!top_level_order.emplace(key, top_level_order.size()).second) {
+        duplicate = key;
+        return false;
       }
-      default: break;
+    } else if (!nested_keys_.back().insert(key).second) {
+      duplicate = key;
+      duplicate_parent = current_top_level_;
+      return false;
     }
     return true;
   }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
+    error = e.what();
+    return false;
+  }
+
+  std::unordered_map<std::string, std::size_t> top_level_order;
+  std::optional<std::string> duplicate;
+  std::string duplicate_parent;  // the top-level entry holding a repeated field
+  std::optional<std::string> error;
+
+ private:
+  int depth_ = 0;
+  std::string current_top_level_;
+  std::vector<std::unordered_set<std::string>> nested_keys_;
 };
 
 struct RawEntry {
   std::string name;
   TensorDType dtype;
   std::vector<std::int64_t> shape;
-  std::uint64_t begin;
-  std::uint64_t end;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+  std::size_t header_index = 0;  // position among the header's top-level keys
 };
 
 RawEntry parse_tensor_entry(const std::string& where, const std::string& name, const Json& entry,
@@ -271,7 +331,8 @@ std::optional<TensorDType> parse_tensor_dtype(std::string_view name) {
 SafeTensorsFile SafeTensorsFile::open(const std::filesystem::path& path) {
   SafeTensorsFile file;
   file.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO by mistake must fail below, not block forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int error = errno;
     ZERO_BAD_FILE(path.string(), "cannot open: ", std::strerror(error));
@@ -389,25 +450,27 @@ void SafeTensorsFile::parse() {
                   "; expected UTF-8 JSON text of an object, padded with spaces only");
   }
 
-  DuplicateKeyFinder duplicates;
+  KeyScanner scanner;
+  const bool scanned = Json::sax_parse(text, text + header_size, &scanner);
+  if (scanner.duplicate) {
+    if (scanner.duplicate_parent.empty()) {
+      ZERO_BAD_FILE(where, "header names '", brief_text(*scanner.duplicate),
+                    "' more than once; expected unique tensor names");
+    }
+    ZERO_BAD_FILE(where, "header entry '", brief_text(scanner.duplicate_parent), "' has field '",
+                  brief_text(*scanner.duplicate), "' more than once; expected each field once");
+  }
+  if (!scanned || scanner.error) {
+    ZERO_BAD_FILE(where, "header is not valid JSON: ",
+                  parse_error_text(scanner.error.value_or("rejected by the parser")),
+                  "; expected UTF-8 JSON text of an object");
+  }
   Json header;
   try {
-    header = Json::parse(text, text + header_size,
-                         [&duplicates](int depth, Json::parse_event_t event, Json& parsed) {
-                           return duplicates(depth, event, parsed);
-                         });
+    header = Json::parse(text, text + header_size);
   } catch (const nlohmann::json::exception& e) {
     ZERO_BAD_FILE(where, "header is not valid JSON: ", parse_error_text(e.what()),
                   "; expected UTF-8 JSON text of an object");
-  }
-  if (duplicates.found) {
-    if (duplicates.duplicate_parent.empty()) {
-      ZERO_BAD_FILE(where, "header names '", brief_text(duplicates.duplicate),
-                    "' more than once; expected unique tensor names");
-    }
-    ZERO_BAD_FILE(where, "header entry '", brief_text(duplicates.duplicate_parent),
-                  "' has field '", brief_text(duplicates.duplicate),
-                  "' more than once; expected each field once");
   }
   if (!header.is_object()) {
     ZERO_BAD_FILE(where, "header is a JSON ", header.type_name(), "; expected an object");
@@ -435,12 +498,15 @@ void SafeTensorsFile::parse() {
       continue;
     }
     entries.push_back(parse_tensor_entry(where, item.key(), item.value(), data_size));
+    entries.back().header_index = scanner.top_level_order.at(item.key());
   }
 
   // Walk the tensors by offset: each must start where the previous ended, so
   // the data section has no overlaps, no holes and no trailing bytes.
-  std::stable_sort(entries.begin(), entries.end(), [](const RawEntry& a, const RawEntry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  std::sort(entries.begin(), entries.end(), [](const RawEntry& a, const RawEntry& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.header_index < b.header_index;
   });
   std::uint64_t covered = 0;
   const RawEntry* previous = nullptr;
@@ -543,14 +609,34 @@ struct Plan {
   std::uint64_t data_size = 0;
 };
 
+// JSON text of a string, rejecting invalid UTF-8 instead of replacing it.
+std::string json_string(const std::string& text, std::string_view what) {
+  try {
+    return Json(text).dump(-1, ' ', false, Json::error_handler_t::strict);
+  } catch (const nlohmann::json::exception&) {
+    ZERO_THROW(InvalidArgument, "write_safetensors: ", what, " '", brief_text(text),
+               "' is not valid UTF-8");
+  }
+}
+
 Plan plan_layout(const std::vector<TensorView>& tensors,
                  const std::map<std::string, std::string>& metadata) {
+  // The header is assembled by hand, entry by entry in the given order: an
+  // ordered_json object would keep the order but look up every key linearly.
   Plan plan;
-  Json header = Json::object();
+  std::string& header = plan.header;
+  header += '{';
   if (!metadata.empty()) {
-    Json meta = Json::object();
-    for (const auto& [key, value] : metadata) meta[key] = value;
-    header["__metadata__"] = std::move(meta);
+    header += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& [key, value] : metadata) {
+      if (!first) header += ',';
+      first = false;
+      header += json_string(key, "metadata key");
+      header += ':';
+      header += json_string(value, "value of metadata key");
+    }
+    header += '}';
   }
   std::set<std::string_view> seen;
   plan.sizes.reserve(tensors.size());
@@ -561,12 +647,12 @@ Plan plan_layout(const std::vector<TensorView>& tensors,
                "' appears more than once; names must be unique");
     ZERO_CHECK(is_valid(t.dtype), "write_safetensors: tensor '", t.name,
                "' has invalid dtype value ", static_cast<int>(t.dtype));
-    std::uint64_t bytes = size_of(t.dtype);
-    bool overflow = false;
     for (std::int64_t d : t.shape) {
       ZERO_CHECK(d >= 0, "write_safetensors: tensor '", t.name, "' has shape ",
                  shape_text(t.shape), " with a negative dimension");
     }
+    std::uint64_t bytes = size_of(t.dtype);
+    bool overflow = false;
     for (std::int64_t d : t.shape) {
       if (d == 0) {
         bytes = 0;
@@ -581,26 +667,29 @@ Plan plan_layout(const std::vector<TensorView>& tensors,
                " overflows 64-bit byte offsets");
     ZERO_CHECK(t.data != nullptr || bytes == 0, "write_safetensors: tensor '", t.name,
                "' has ", bytes, " bytes of data but a null data pointer");
-    Json entry = Json::object();
-    entry["dtype"] = std::string(name_of(t.dtype));
-    entry["shape"] = t.shape;
-    entry["data_offsets"] = Json::array({plan.data_size, end});
-    header[t.name] = std::move(entry);
+    if (header.size() > 1) header += ',';
+    header += json_string(t.name, "tensor name");
+    header += ":{\"dtype\":\"";
+    header += name_of(t.dtype);
+    header += "\",\"shape\":[";
+    for (std::size_t i = 0; i < t.shape.size(); ++i) {
+      if (i) header += ',';
+      header += std::to_string(t.shape[i]);
+    }
+    header += "],\"data_offsets\":[";
+    header += std::to_string(plan.data_size);
+    header += ',';
+    header += std::to_string(end);
+    header += "]}";
     plan.sizes.push_back(bytes);
     plan.data_size = end;
   }
-  try {
-    plan.header = header.dump(-1, ' ', false, Json::error_handler_t::strict);
-  } catch (const nlohmann::json::exception& e) {
-    ZERO_THROW(InvalidArgument,
-               "write_safetensors: tensor names and metadata must be valid UTF-8: ", e.what());
-  }
+  header += '}';
   // Spaces are what the reference pads with and any JSON parser skips; the
   // data section then starts 8-byte aligned for in-place use.
-  plan.header.append((8 - plan.header.size() % 8) % 8, ' ');
-  ZERO_CHECK(plan.header.size() <= kMaxHeaderBytes, "write_safetensors: header of ",
-             plan.header.size(), " bytes exceeds the ", kMaxHeaderBytes,
-             "-byte limit readers enforce");
+  header.append((8 - header.size() % 8) % 8, ' ');
+  ZERO_CHECK(header.size() <= kMaxHeaderBytes, "write_safetensors: header of ", header.size(),
+             " bytes exceeds the ", kMaxHeaderBytes, "-byte limit readers enforce");
   return plan;
 }
 

@@ -1,0 +1,281 @@
+// A small MLP with a hand-written backward, trained by the engine (any
+// backend, any communicator) and by a single-process unsharded reference on
+// the same global batches. Shared by the CPU (tests/mpi) and GPU (tests/gpu_engine)
+// equivalence tests.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "zero/engine/engine.hpp"
+
+namespace zero::testing {
+
+constexpr int kIn = 17, kHidden = 31, kOut = 13, kBatch = 4, kSteps = 20;
+enum { W1, B1, W2, B2, GAIN, UNUSED, kParamCount };
+
+inline std::vector<std::vector<ParamSpec>> mlp_units() {
+  return {{{"fc1.weight", kHidden * kIn, {kHidden, kIn}}, {"fc1.bias", kHidden, {kHidden}}},
+          {{"fc2.weight", kOut * kHidden, {kOut, kHidden}}, {"fc2.bias", kOut, {kOut}}, {"gain", kOut, {kOut}}},
+          {{"unused", 5, {5}}}};
+}
+
+inline std::vector<ParamSpec> flat(const std::vector<std::vector<ParamSpec>>& units) {
+  std::vector<ParamSpec> out;
+  for (auto& u : units) out.insert(out.end(), u.begin(), u.end());
+  return out;
+}
+
+inline std::vector<std::vector<float>> initial_params() {
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  std::vector<std::vector<float>> p;
+  for (const ParamSpec& s : flat(mlp_units())) {
+    p.emplace_back(s.numel);
+    for (float& x : p.back()) x = normal(rng);
+  }
+  return p;
+}
+
+struct Sample {
+  float x[kIn];
+  float t[kOut];
+};
+
+// Samples of (step, micro-step, rank): fresh random data, the same on every process.
+inline std::vector<Sample> batch(int step, int micro, int rank) {
+  std::mt19937 rng(static_cast<std::uint32_t>(step * 7919 + micro * 104729 + rank * 15485863 + 1));
+  std::normal_distribution<float> normal;
+  std::vector<Sample> out(kBatch);
+  for (Sample& s : out) {
+    for (float& x : s.x) x = normal(rng);
+    for (int o = 0; o < kOut; ++o) s.t[o] = std::sin(s.x[o % kIn]) + 0.1f * normal(rng);
+  }
+  return out;
+}
+
+// Mean-loss gradients of the MLP over samples, in float; params as float.
+inline std::vector<std::vector<float>> mlp_grads(const std::vector<std::vector<float>>& p,
+                                          const std::vector<Sample>& samples) {
+  std::vector<std::vector<float>> g(kParamCount);
+  for (int i = 0; i < kParamCount; ++i) g[i].assign(p[i].size(), 0.0f);
+  const float inv = 1.0f / static_cast<float>(samples.size());
+  for (const Sample& s : samples) {
+    float h[kHidden], z[kOut], dz[kOut];
+    for (int j = 0; j < kHidden; ++j) {
+      float a = p[B1][j];
+      for (int i = 0; i < kIn; ++i) a += p[W1][j * kIn + i] * s.x[i];
+      h[j] = std::tanh(a);
+    }
+    for (int o = 0; o < kOut; ++o) {
+      float a = p[B2][o];
+      for (int j = 0; j < kHidden; ++j) a += p[W2][o * kHidden + j] * h[j];
+      z[o] = a;
+      const float y = a * (1.0f + p[GAIN][o]);
+      const float dy = (y - s.t[o]) * inv;
+      g[GAIN][o] += dy * z[o];
+      dz[o] = dy * (1.0f + p[GAIN][o]);
+      g[B2][o] += dz[o];
+      for (int j = 0; j < kHidden; ++j) g[W2][o * kHidden + j] += dz[o] * h[j];
+    }
+    for (int j = 0; j < kHidden; ++j) {
+      float dh = 0;
+      for (int o = 0; o < kOut; ++o) dh += p[W2][o * kHidden + j] * dz[o];
+      const float da = dh * (1.0f - h[j] * h[j]);
+      g[B1][j] += da;
+      for (int i = 0; i < kIn; ++i) g[W1][j * kIn + i] += da * s.x[i];
+    }
+  }
+  return g;
+}
+
+struct Config {
+  DType dtype = DType::fp32;
+  int accumulation = 1;
+  GradAccumulation mode = GradAccumulation::reduce_each_micro_step;
+  OptimizerOptions optimizer{};
+  double max_grad_norm = 0;
+};
+
+inline EngineOptions engine_options(const Config& c, int stage) {
+  EngineOptions o;
+  o.stage = stage;
+  o.param_dtype = c.dtype;
+  o.accumulation_steps = c.accumulation;
+  o.accumulation = c.mode;
+  o.optimizer = c.optimizer;
+  o.max_grad_norm = c.max_grad_norm;
+  o.alignment_elements = 4;
+  return o;
+}
+
+struct Trained {
+  std::vector<std::vector<float>> master, model;
+  std::vector<double> norms;
+};
+
+inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Backend& backend) {
+  Engine engine(mlp_units(), engine_options(c, stage), comm, backend);
+  const auto init = initial_params();
+  for (int i = 0; i < kParamCount; ++i) engine.set_param(i, init[i].data());
+  Trained out;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int micro = 0; micro < c.accumulation; ++micro) {
+      engine.prefetch_unit(1);
+      engine.gather_unit(0);
+      engine.gather_unit(1);
+      std::vector<std::vector<float>> p(kParamCount);
+      std::vector<std::byte> raw;
+      for (int i = 0; i < kParamCount - 1; ++i) {  // "unused" is never read
+        p[i].resize(engine.layout().params()[i].numel);
+        raw.resize(p[i].size() * size_of(c.dtype));
+        backend.synchronize(backend.compute_stream());
+        backend.copy_to_host(raw.data(), engine.param_data(i), raw.size());
+        for (std::size_t k = 0; k < p[i].size(); ++k) p[i][k] = load_as_float(raw.data(), k, c.dtype);
+      }
+      p[UNUSED].assign(5, 0.0f);
+      engine.release_unit(1);
+      engine.release_unit(0);
+      const auto g = mlp_grads(p, batch(step, micro, comm.rank()));
+      // Backward order: the output layer's unit first, as autograd would.
+      for (int unit : {1, 0}) {
+        engine.gather_unit(unit);  // stage 3 gathers again for backward
+        for (int i = 0; i < kParamCount - 1; ++i) {
+          if (engine.unit_of(i) != static_cast<std::size_t>(unit)) continue;
+          // Add into the gradient buffer wherever it lives (host or device).
+          void* dst = engine.grad_data(i);
+          std::vector<std::byte> host(g[i].size() * size_of(c.dtype));
+          backend.synchronize(backend.compute_stream());
+          backend.copy_to_host(host.data(), dst, host.size());
+          for (std::size_t k = 0; k < g[i].size(); ++k)
+            store_from_float(host.data(), k, c.dtype, load_as_float(host.data(), k, c.dtype) + g[i][k]);
+          backend.copy_from_host(dst, host.data(), host.size());
+          engine.grad_ready(i);
+        }
+        engine.release_unit(unit);
+      }
+      engine.finish_micro_step();  // "unused" gets a zero gradient here
+    }
+    const StepResult r = engine.step();
+    REQUIRE(r.applied);
+    out.norms.push_back(r.grad_norm);
+  }
+  const MemoryByCategory live = engine.memory(), predicted = engine.predicted_model_state();
+  CHECK(live.params == predicted.params);
+  CHECK(live.grads == predicted.grads);
+  CHECK(live.master == predicted.master);
+  CHECK(live.optimizer_state == predicted.optimizer_state);
+  out.master = engine.gather_master_params();
+  out.model = engine.gather_model_params();
+  return out;
+}
+
+// Single process, unsharded: the global micro-batch is every rank's samples.
+inline Trained train_reference(const Config& c, int world) {
+  auto master = initial_params();
+  std::vector<std::vector<float>> m(kParamCount), v(kParamCount);
+  for (int i = 0; i < kParamCount; ++i) {
+    m[i].assign(master[i].size(), 0.0f);
+    v[i].assign(master[i].size(), 0.0f);
+  }
+  Trained out;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<std::vector<float>> sum(kParamCount);
+    for (int i = 0; i < kParamCount; ++i) sum[i].assign(master[i].size(), 0.0f);
+    for (int micro = 0; micro < c.accumulation; ++micro) {
+      std::vector<std::vector<float>> p = master;
+      for (auto& t : p)
+        for (float& x : t) x = round_to(c.dtype, x);
+      std::vector<Sample> global;
+      for (int r = 0; r < world; ++r) {
+        auto part = batch(step, micro, r);
+        global.insert(global.end(), part.begin(), part.end());
+      }
+      const auto g = mlp_grads(p, global);
+      for (int i = 0; i < kParamCount; ++i)
+        for (std::size_t k = 0; k < g[i].size(); ++k) sum[i][k] = round_to(c.dtype, sum[i][k] + round_to(c.dtype, g[i][k]));
+    }
+    double sq = 0;
+    for (auto& t : sum)
+      for (float x : t) sq += static_cast<double>(x) * x;
+    const double norm = std::sqrt(sq) / c.accumulation;
+    out.norms.push_back(norm);
+    double coef = 1;
+    if (c.max_grad_norm > 0 && norm > c.max_grad_norm) coef = c.max_grad_norm / (norm + 1e-6);
+    const StepScalars s = make_step_scalars(c.optimizer, step + 1, c.optimizer.lr, coef / c.accumulation);
+    for (int i = 0; i < kParamCount; ++i) {
+      ShardUpdate u;
+      u.master = master[i].data();
+      u.grad = sum[i].data();
+      u.grad_dtype = DType::fp32;
+      u.state0 = m[i].data();
+      u.state1 = v[i].data();
+      u.count = master[i].size();
+      cpu_optimizer_step(c.optimizer, s, u, CpuKernel::reference);
+    }
+  }
+  out.master = master;
+  return out;
+}
+
+// Relative error per tensor in the max norm, max_k |a_k - b_k| / max_k |b_k|,
+// worst over tensors. (Elementwise ratios are dominated by values that pass
+// near zero: there a few-ulp difference in the gradient sum order, which
+// sharding legitimately changes, reads as 1e-6 of a tiny number.)
+inline double max_relative_error(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    double diff = 0, scale = 0;
+    for (std::size_t k = 0; k < a[i].size(); ++k) {
+      diff = std::max(diff, std::fabs(static_cast<double>(a[i][k]) - b[i][k]));
+      scale = std::max(scale, std::fabs(static_cast<double>(b[i][k])));
+    }
+    if (scale > 0) worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+inline bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
+  return true;
+}
+
+inline std::vector<Config> configs() {
+  std::vector<Config> out;
+  for (DType dtype : {DType::fp32, DType::bf16}) {
+    Config c;
+    c.dtype = dtype;
+    c.optimizer.lr = 1e-2;
+    c.optimizer.weight_decay = 0.05;
+    out.push_back(c);
+    for (GradAccumulation mode : {GradAccumulation::reduce_each_micro_step, GradAccumulation::reduce_at_boundary}) {
+      Config a = c;
+      a.accumulation = 3;
+      a.mode = mode;
+      a.max_grad_norm = 0.5;  // binds: the gradient norm is about 1 here
+      out.push_back(a);
+    }
+  }
+  Config lion;
+  lion.optimizer.kind = OptimizerKind::lion;
+  lion.optimizer.lr = 1e-3;
+  lion.optimizer.beta2 = 0.99;
+  out.push_back(lion);
+  Config sgd;
+  sgd.optimizer.kind = OptimizerKind::sgd;
+  sgd.optimizer.lr = 0.05;
+  sgd.optimizer.momentum = 0.9;
+  sgd.optimizer.nesterov = true;
+  sgd.accumulation = 3;
+  out.push_back(sgd);
+  return out;
+}
+
+}  // namespace zero::testing

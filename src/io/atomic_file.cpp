@@ -1,0 +1,185 @@
+#include "zero/io/atomic_file.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "zero/core/error.hpp"
+
+namespace zero::io {
+namespace {
+
+std::string errno_text(int error) { return std::strerror(error); }
+
+std::filesystem::path directory_of(const std::filesystem::path& target) {
+  std::filesystem::path dir = target.parent_path();
+  return dir.empty() ? std::filesystem::path(".") : dir;
+}
+
+// Unique enough across processes (pid) and within one (random + counter);
+// O_EXCL catches the remaining collisions, which the caller retries.
+std::string temp_suffix() {
+  static thread_local std::mt19937_64 engine([] {
+    std::random_device device;
+    std::seed_seq seed{device(), device(), static_cast<unsigned>(::getpid()),
+                       static_cast<unsigned>(
+                           std::chrono::steady_clock::now().time_since_epoch().count())};
+    return std::mt19937_64(seed);
+  }());
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, ".tmp.%ld.%016llx", static_cast<long>(::getpid()),
+                static_cast<unsigned long long>(engine()));
+  return buffer;
+}
+
+}  // namespace
+
+AtomicFileWriter::AtomicFileWriter(std::filesystem::path target) : target_(std::move(target)) {
+  ZERO_CHECK(!target_.empty() && target_.has_filename(),
+             "AtomicFileWriter: target path '", target_.string(), "' does not name a file");
+  const std::filesystem::path dir = directory_of(target_);
+  const std::string name = target_.filename().string();
+  // A handful of attempts: EEXIST means another writer drew the same suffix.
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    std::filesystem::path candidate = dir / ("." + name + temp_suffix());
+    // 0666 lets the umask decide, as for any newly created file.
+    int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) {
+      fd_ = fd;
+      temp_ = std::move(candidate);
+      return;
+    }
+    if (errno == EINTR || errno == EEXIST) continue;
+    const int error = errno;
+    ZERO_THROW(IoError, "cannot create a temporary file in directory '", dir.string(),
+               "' to write '", target_.string(), "': ", errno_text(error));
+  }
+  ZERO_THROW(IoError, "cannot create a temporary file in directory '", dir.string(),
+             "' to write '", target_.string(), "': every candidate name already exists");
+}
+
+AtomicFileWriter::~AtomicFileWriter() { discard(); }
+
+AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
+    : target_(std::move(other.target_)),
+      temp_(std::exchange(other.temp_, {})),
+      fd_(std::exchange(other.fd_, -1)),
+      bytes_written_(other.bytes_written_),
+      committed_(other.committed_),
+      failed_(other.failed_) {}
+
+AtomicFileWriter& AtomicFileWriter::operator=(AtomicFileWriter&& other) noexcept {
+  if (this != &other) {
+    discard();
+    target_ = std::move(other.target_);
+    temp_ = std::exchange(other.temp_, {});
+    fd_ = std::exchange(other.fd_, -1);
+    bytes_written_ = other.bytes_written_;
+    committed_ = other.committed_;
+    failed_ = other.failed_;
+  }
+  return *this;
+}
+
+void AtomicFileWriter::discard() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (!committed_ && !temp_.empty()) {
+    ::unlink(temp_.c_str());
+    temp_.clear();
+  }
+}
+
+void AtomicFileWriter::write(const void* data, std::size_t size) {
+  ZERO_CHECK(fd_ >= 0 && !committed_ && !failed_, "AtomicFileWriter: write to '",
+             target_.string(), "' after commit, after a failure or after a move");
+  const char* cursor = static_cast<const char*>(data);
+  std::size_t left = size;
+  while (left > 0) {
+    const ssize_t n = ::write(fd_, cursor, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      // write() returning 0 for a non-empty regular-file write has no errno;
+      // treat it as "no space" rather than spin.
+      const int error = n < 0 ? errno : ENOSPC;
+      failed_ = true;
+      ZERO_THROW(IoError, "cannot write '", target_.string(), "' (temporary file '",
+                 temp_.string(), "', ", bytes_written_, " bytes written so far): ",
+                 errno_text(error));
+    }
+    cursor += n;
+    left -= static_cast<std::size_t>(n);
+    bytes_written_ += static_cast<std::size_t>(n);
+  }
+}
+
+void AtomicFileWriter::commit() {
+  ZERO_CHECK(fd_ >= 0 && !committed_ && !failed_, "AtomicFileWriter: commit of '",
+             target_.string(), "' twice, after a failure or after a move");
+  int rc;
+  do {
+    rc = ::fsync(fd_);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int error = errno;
+    failed_ = true;
+    ZERO_THROW(IoError, "cannot fsync temporary file '", temp_.string(), "' for '",
+               target_.string(), "': ", errno_text(error));
+  }
+  // close() can report deferred write errors (NFS); it is not retried on EINTR
+  // because Linux releases the descriptor either way.
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0 && errno != EINTR) {
+    const int error = errno;
+    failed_ = true;
+    ZERO_THROW(IoError, "cannot close temporary file '", temp_.string(), "' for '",
+               target_.string(), "': ", errno_text(error));
+  }
+  if (::rename(temp_.c_str(), target_.c_str()) != 0) {
+    const int error = errno;
+    failed_ = true;
+    ZERO_THROW(IoError, "cannot rename temporary file '", temp_.string(), "' to '",
+               target_.string(), "': ", errno_text(error));
+  }
+  committed_ = true;
+  temp_.clear();
+  fsync_directory(directory_of(target_));
+}
+
+void write_file_atomically(const std::filesystem::path& target, std::span<const std::byte> bytes) {
+  AtomicFileWriter writer(target);
+  writer.write(bytes.data(), bytes.size());
+  writer.commit();
+}
+
+void fsync_directory(const std::filesystem::path& directory) {
+  const int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    const int error = errno;
+    ZERO_THROW(IoError, "cannot open directory '", directory.string(), "' to fsync it: ",
+               errno_text(error));
+  }
+  int rc;
+  do {
+    rc = ::fsync(fd);
+  } while (rc != 0 && errno == EINTR);
+  const int error = errno;
+  ::close(fd);
+  // Some file systems (e.g. certain FUSE or network mounts) cannot fsync a
+  // directory and say EINVAL; there is nothing more durable to ask them for.
+  if (rc != 0 && error != EINVAL) {
+    ZERO_THROW(IoError, "cannot fsync directory '", directory.string(), "': ",
+               errno_text(error));
+  }
+}
+
+}  // namespace zero::io

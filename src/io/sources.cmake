@@ -1,0 +1,6 @@
+# Checkpoint I/O: safetensors reader/writer and crash-safe file replacement.
+# nlohmann_json stays a PRIVATE dependency of zero: the public headers under
+# include/zero/io/ do not include it, so installed consumers need not have it.
+target_sources(zero PRIVATE
+  ${PROJECT_SOURCE_DIR}/src/io/safetensors.cpp
+  ${PROJECT_SOURCE_DIR}/src/io/atomic_file.cpp)

@@ -22,6 +22,8 @@ class Backend {
   virtual ~Backend() = default;
   virtual MemoryKind memory_kind() const = 0;
   virtual std::string name() const = 0;
+  /// The GPU this backend allocates on; -1 for host memory.
+  virtual int device_index() const { return -1; }
 
   /// Allocates bytes (aligned to at least 256); throws zero::OutOfMemory.
   virtual void* allocate(std::size_t bytes) = 0;

@@ -149,6 +149,12 @@ class CudaBackend final : public Backend {
     gpu::accumulate(dst, src, dtype, count, stream);
   }
 
+  void ema_update(float* ema, const float* weights, std::size_t count, double decay,
+                  Stream stream) override {
+    DeviceGuard guard(device_);
+    gpu::ema_update(ema, weights, count, decay, stream);
+  }
+
   void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
                       const ShardUpdate& update, Stream stream) override {
     DeviceGuard guard(device_);

@@ -336,6 +336,23 @@ struct AccumulateOp {
   }
 };
 
+struct EmaOp {
+  float* ema;
+  const float* weights;
+  float decay, one_minus_decay;
+  __device__ __forceinline__ void chunk(std::size_t i) const {
+    float e[kChunk], w[kChunk];
+    load8(ema + i, e);
+    load8(weights + i, w);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) ema_element(e[j], w[j], decay, one_minus_decay);
+    store8(ema + i, e);
+  }
+  __device__ __forceinline__ void element(std::size_t i) const {
+    ema_element(ema[i], weights[i], decay, one_minus_decay);
+  }
+};
+
 // SplitMix64's finalizer: a well-mixed 64-bit hash of the counter.
 __device__ __forceinline__ std::uint64_t mix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -570,6 +587,13 @@ void accumulate(void* dst, const void* src, DType dtype, std::size_t count, Stre
     launch(op, count, vector_head({{dst, sizeof(T)}, {src, sizeof(T)}}, count), LaunchTuning{},
            static_cast<cudaStream_t>(stream));
   });
+}
+
+void ema_update(float* ema, const float* weights, std::size_t count, double decay, Stream stream) {
+  if (count == 0) return;
+  EmaOp op{ema, weights, static_cast<float>(decay), static_cast<float>(1.0 - decay)};
+  launch(op, count, vector_head({{ema, 4}, {weights, 4}}, count), LaunchTuning{},
+         static_cast<cudaStream_t>(stream));
 }
 
 void fill_uniform(void* data, std::size_t count, DType dtype, std::uint64_t seed, float low,

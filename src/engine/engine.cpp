@@ -1,11 +1,16 @@
 #include "zero/engine/engine.hpp"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <functional>
 #include <map>
+
+#include "zero/io/safetensors.hpp"
 
 namespace zero {
 
@@ -25,13 +30,15 @@ void EngineOptions::validate() const {
              "EngineOptions.max_grad_norm must be finite and >= 0 (0 disables), got ", max_grad_norm);
   ZERO_CHECK(max_reductions_in_flight >= 1, "EngineOptions.max_reductions_in_flight must be >= 1, got ",
              max_reductions_in_flight);
+  ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "EngineOptions.ema_decay must be in [0, 1) (0 disables), got ",
+             ema_decay);
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
   optimizer.validate();
   if (effective_loss_scaling()) loss_scaler.validate();
 }
 
 namespace {
-enum Category { kParams, kGrads, kMaster, kState, kBuffers, kCategories };
+enum Category { kParams, kGrads, kMaster, kState, kEma, kBuffers, kCategories };
 
 struct Pending {
   std::size_t bucket;
@@ -59,6 +66,8 @@ struct Engine::Impl {
   float* master = nullptr;            // stage 0: full; 1-3: shard; null when params are fp32
   float* state0 = nullptr;
   float* state1 = nullptr;
+  float* ema = nullptr;               // like master, when EMA is on
+  bool ema_initialized = false;
   std::byte* grads_full = nullptr;
   std::byte* grad_shard = nullptr;
 
@@ -104,6 +113,7 @@ struct Engine::Impl {
     release_ptr(master, optimizer_elements * 4);
     release_ptr(state0, optimizer_elements * 4);
     release_ptr(state1, optimizer_elements * 4);
+    release_ptr(ema, optimizer_elements * 4);
     release_ptr(grads_full, full * g_size);
     release_ptr(grad_shard, shard * g_size);
   }
@@ -172,6 +182,12 @@ struct Engine::Impl {
     }
     if (stage == 3) return reinterpret_cast<float*>(param_shard) + bucket.shard_offset;
     return reinterpret_cast<float*>(params_full) + own_offset(b);
+  }
+
+  /// This rank's slice of bucket b in an fp32 buffer laid out like the
+  /// optimizer state: full at stage 0, a shard otherwise.
+  float* optimizer_slice(float* base, std::size_t b) const {
+    return base + (stage == 0 ? own_offset(b) : layout.buckets()[b].shard_offset);
   }
 
   // ---------------------------------------------------------------- reductions
@@ -298,6 +314,7 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   const int slots = options_.optimizer.state_slots();
   if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
   if (slots >= 2) m.state1 = m.allocate<float>(kState, optimizer_elements * 4);
+  if (options_.ema_decay > 0) m.ema = m.allocate<float>(kEma, optimizer_elements * 4);
   if (m.full_grads) m.grads_full = m.allocate(kGrads, full * m.g_size);
   if (m.shard_accumulator) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
 
@@ -493,6 +510,14 @@ StepResult Engine::step() {
         make_step_scalars(options_.optimizer, step_, lr_, result.clip_coefficient / divisor);
     const bool copy = m.pdt != DType::fp32;
     const OptimizerOptions& opt = options_.optimizer;
+    if (m.ema && !m.ema_initialized) {  // the average starts at the weights before the first update
+      if (m.stage == 0)
+        be.copy(m.ema, copy ? m.master : reinterpret_cast<float*>(m.params_full), layout_.padded_numel() * 4, compute);
+      else
+        for (std::size_t b = 0; b < buckets.size(); ++b)
+          be.copy(m.optimizer_slice(m.ema, b), m.master_slice(b), buckets[b].shard_size * 4, compute);
+      m.ema_initialized = true;
+    }
     if (m.stage == 0) {
       // Every rank updates everything: it first needs every reduced slice.
       std::vector<WorkPtr> gathers;
@@ -530,6 +555,18 @@ StepResult Engine::step() {
         u.count = buckets[b].shard_size;
         be.optimizer_step(opt, scalars, u, compute);
       }
+    }
+    if (m.ema) {
+      const double t = static_cast<double>(step_);
+      const double decay = options_.ema_warmup ? std::min(options_.ema_decay, (1 + t) / (10 + t)) : options_.ema_decay;
+      // Stage 0 updates every slice (it holds them all); the others their own.
+      if (m.stage == 0) be.ema_update(m.ema, copy ? m.master : reinterpret_cast<float*>(m.params_full),
+                                      layout_.padded_numel(), decay, compute);
+      else
+        for (std::size_t b = 0; b < buckets.size(); ++b)
+          be.ema_update(m.optimizer_slice(m.ema, b), m.master_slice(b), buckets[b].shard_size, decay, compute);
+    }
+    if (m.stage != 0) {
       if (m.stage <= 2) {
         // Bring every rank's updated slices back into the full parameters.
         Event updated = be.record_event(compute);
@@ -582,31 +619,38 @@ std::vector<std::vector<float>> split_params(const FlatLayout& layout, const std
 
 std::vector<std::vector<float>> Engine::gather_master_params() {
   Impl& m = *impl_;
+  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.master_slice(b); });
+}
+
+std::vector<std::vector<float>> Engine::gather_ema_params() {
+  Impl& m = *impl_;
+  ZERO_CHECK(m.ema != nullptr, "gather_ema_params: EMA is off (EngineOptions.ema_decay is 0)");
+  if (!m.ema_initialized) return gather_master_params();  // no step yet: the average is the weights
+  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); });
+}
+
+std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
+  Impl& m = *impl_;
   Backend& be = m.backend;
   const std::size_t full = layout_.padded_numel();
   std::vector<float> host(full);
   be.synchronize(be.compute_stream());
-  if (m.stage == 0) {
-    be.copy_to_host(host.data(), m.pdt == DType::fp32 ? static_cast<const void*>(m.params_full) : m.master,
-                    full * 4);
-  } else {
-    float* gathered = static_cast<float*>(be.allocate(full * 4));
-    try {
-      std::vector<WorkPtr> works;
-      for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
-        const Bucket& bucket = layout_.buckets()[b];
-        works.push_back(m.comm.all_gather(m.master_slice(b), gathered + bucket.offset, bucket.shard_size,
-                                          DType::fp32, be.comm_stream()));
-      }
-      for (auto& w : works) w->wait();
-      be.synchronize(be.comm_stream());
-      be.copy_to_host(host.data(), gathered, full * 4);
-    } catch (...) {
-      be.deallocate(gathered, full * 4);
-      throw;
+  float* gathered = static_cast<float*>(be.allocate(full * 4));
+  try {
+    std::vector<WorkPtr> works;
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+      const Bucket& bucket = layout_.buckets()[b];
+      works.push_back(m.comm.all_gather(slice(b), gathered + bucket.offset, bucket.shard_size, DType::fp32,
+                                        be.comm_stream()));
     }
+    for (auto& w : works) w->wait();
+    be.synchronize(be.comm_stream());
+    be.copy_to_host(host.data(), gathered, full * 4);
+  } catch (...) {
     be.deallocate(gathered, full * 4);
+    throw;
   }
+  be.deallocate(gathered, full * 4);
   return split_params(layout_, host);
 }
 
@@ -646,13 +690,13 @@ std::vector<std::vector<float>> Engine::gather_model_params() {
 
 MemoryByCategory Engine::memory() const {
   const Impl& m = *impl_;
-  return {m.current[kParams], m.current[kGrads], m.current[kMaster], m.current[kState],
+  return {m.current[kParams], m.current[kGrads], m.current[kMaster], m.current[kState], m.current[kEma],
           m.current[kBuffers] + m.comm.workspace_bytes()};
 }
 
 MemoryByCategory Engine::peak_memory() const {
   const Impl& m = *impl_;
-  return {m.peak[kParams], m.peak[kGrads], m.peak[kMaster], m.peak[kState],
+  return {m.peak[kParams], m.peak[kGrads], m.peak[kMaster], m.peak[kState], m.peak[kEma],
           m.peak[kBuffers] + m.comm.peak_workspace_bytes()};
 }
 
@@ -664,7 +708,183 @@ MemoryByCategory Engine::predicted_model_state() const {
                             .grad_dtype = options_.effective_grad_dtype(),
                             .optimizer = options_.optimizer,
                             .accumulation = options_.accumulation,
-                            .accumulation_steps = options_.accumulation_steps});
+                            .accumulation_steps = options_.accumulation_steps,
+                            .ema = options_.ema_decay > 0});
+}
+
+}  // namespace zero
+
+// ---------------------------------------------------------------- checkpoints
+// (kept with the engine: it needs the buffers' placement at every stage)
+
+namespace zero {
+
+namespace {
+
+constexpr const char* kShardFormat = "zero.engine.shard";
+constexpr int kShardVersion = 1;
+
+nlohmann::json layout_json(const FlatLayout& layout) {
+  nlohmann::json params = nlohmann::json::array(), groups = nlohmann::json::array();
+  for (const ParamSpec& p : layout.params()) params.push_back({{"name", p.name}, {"numel", p.numel}});
+  for (const Bucket& b : layout.buckets()) groups.push_back(b.param_count);
+  return {{"world_size", layout.world_size()}, {"alignment", layout.alignment()},
+          {"padded_numel", layout.padded_numel()}, {"params", params}, {"bucket_param_counts", groups}};
+}
+
+}  // namespace
+
+void Engine::save_state(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata) {
+  Impl& m = *impl_;
+  Backend& be = m.backend;
+  ZERO_CHECK(micro_step_ == 0, "save_state: in the middle of a step (", micro_step_,
+             " micro-steps done); save between steps");
+  be.synchronize(be.compute_stream());
+  const std::size_t shard = layout_.shard_numel();
+  auto collect = [&](auto slice_of) {
+    std::vector<float> host(shard);
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b)
+      be.copy_to_host(host.data() + layout_.buckets()[b].shard_offset, slice_of(b), layout_.buckets()[b].shard_size * 4);
+    return host;
+  };
+  std::vector<std::pair<std::string, std::vector<float>>> tensors;
+  tensors.emplace_back("master", collect([&](std::size_t b) { return m.master_slice(b); }));
+  if (m.state0) tensors.emplace_back("state0", collect([&](std::size_t b) { return m.optimizer_slice(m.state0, b); }));
+  if (m.state1) tensors.emplace_back("state1", collect([&](std::size_t b) { return m.optimizer_slice(m.state1, b); }));
+  if (m.ema && m.ema_initialized)
+    tensors.emplace_back("ema", collect([&](std::size_t b) { return m.optimizer_slice(m.ema, b); }));
+  std::vector<io::TensorView> views;
+  for (auto& [name, data] : tensors)
+    views.push_back({name, io::TensorDType::F32, {static_cast<std::int64_t>(data.size())}, data.data()});
+
+  nlohmann::json state = {{"format", kShardFormat},
+                          {"version", kShardVersion},
+                          {"rank", rank_},
+                          {"stage", options_.stage},
+                          {"param_dtype", std::string(name_of(options_.param_dtype))},
+                          {"optimizer", std::string(name_of(options_.optimizer.kind))},
+                          {"state_slots", options_.optimizer.state_slots()},
+                          {"step", step_},
+                          {"skipped_total", skipped_total_},
+                          {"consecutive_nonfinite", consecutive_nonfinite_},
+                          {"loss_scale", scaler_.scale()},
+                          {"loss_scale_good_steps", scaler_.good_steps()},
+                          {"loss_scale_hysteresis_left", scaler_.hysteresis_left()},
+                          {"loss_scale_skipped", scaler_.skipped_steps()},
+                          {"layout", layout_json(layout_)}};
+  std::map<std::string, std::string> meta(metadata.begin(), metadata.end());
+  meta["zero.engine"] = state.dump();
+  io::write_safetensors(path, views, meta);
+}
+
+void Engine::load_state(const std::string& path) {
+  Impl& m = *impl_;
+  Backend& be = m.backend;
+  const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
+  auto it = file.metadata().find("zero.engine");
+  if (it == file.metadata().end())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no 'zero.engine' metadata (not written by Engine::save_state)");
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(it->second);
+  } catch (const std::exception& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata is not JSON: ", e.what());
+  }
+  auto expect = [&](const char* key, const nlohmann::json& want) {
+    if (!state.contains(key) || state[key] != want)
+      ZERO_THROW(IoError, "checkpoint shard '", path, "': ", key, " is ",
+                 state.contains(key) ? state[key].dump() : std::string("missing"), ", this run has ", want.dump());
+  };
+  expect("format", kShardFormat);
+  expect("version", kShardVersion);
+  expect("rank", rank_);
+  const nlohmann::json here = layout_json(layout_);
+  if (!state.contains("layout") || state["layout"]["world_size"] != here["world_size"])
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ",
+               state.contains("layout") ? state["layout"]["world_size"].dump() : std::string("?"),
+               " ranks; this run has ", world_, " (resuming at another world size is not supported yet)");
+  if (state["layout"] != here) {
+    std::string detail = "different parameters or bucketing";
+    const auto& theirs = state["layout"]["params"];
+    const auto& ours = here["params"];
+    if (theirs.size() != ours.size()) {
+      detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
+    } else {
+      for (std::size_t i = 0; i < ours.size(); ++i)
+        if (theirs[i] != ours[i]) {
+          detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
+                   ours[i].dump() + " here";
+          break;
+        }
+    }
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail);
+  }
+  expect("optimizer", std::string(name_of(options_.optimizer.kind)));
+  expect("state_slots", options_.optimizer.state_slots());
+
+  const std::size_t shard = layout_.shard_numel();
+  auto read = [&](const char* name) -> const float* {
+    const io::TensorInfo* info = file.find(name);
+    if (!info) return nullptr;
+    if (info->dtype != io::TensorDType::F32 || info->shape != std::vector<std::int64_t>{static_cast<std::int64_t>(shard)})
+      ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor '", name, "' should be F32 [", shard, "]");
+    return reinterpret_cast<const float*>(file.data(*info).data());
+  };
+  const float* master = read("master");
+  if (!master) ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor 'master' is missing");
+  const float* state0 = read("state0");
+  const float* state1 = read("state1");
+  const float* ema = read("ema");
+  if ((m.state0 && !state0) || (m.state1 && !state1))
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': optimizer state tensors are missing");
+
+  be.synchronize(be.compute_stream());
+  const auto& buckets = layout_.buckets();
+  // Own slices first; stage 0 then gathers every rank's slices into its full buffers.
+  auto restore = [&](const float* host, const std::function<float*(std::size_t)>& slice, float* full_base) {
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      be.copy_from_host(slice(b), host + buckets[b].shard_offset, buckets[b].shard_size * 4);
+    if (m.stage == 0 && full_base) {
+      std::vector<WorkPtr> works;
+      for (std::size_t b = 0; b < buckets.size(); ++b)
+        works.push_back(m.comm.all_gather(full_base + m.own_offset(b), full_base + buckets[b].offset,
+                                          buckets[b].shard_size, DType::fp32, be.comm_stream()));
+      for (auto& w : works) w->wait();
+      be.synchronize(be.comm_stream());
+    }
+  };
+  const bool fp32 = m.pdt == DType::fp32;
+  restore(master, [&](std::size_t b) { return m.master_slice(b); },
+          fp32 ? (m.stage == 0 ? reinterpret_cast<float*>(m.params_full) : nullptr) : m.master);
+  if (m.state0) restore(state0, [&](std::size_t b) { return m.optimizer_slice(m.state0, b); }, m.state0);
+  if (m.state1) restore(state1, [&](std::size_t b) { return m.optimizer_slice(m.state1, b); }, m.state1);
+  if (m.ema && ema) {
+    restore(ema, [&](std::size_t b) { return m.optimizer_slice(m.ema, b); }, m.ema);
+    m.ema_initialized = true;
+  }
+  // The model copy is the master rounded, as after every step.
+  if (!fp32) {
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      void* out = m.stage == 3 ? static_cast<void*>(m.param_shard + buckets[b].shard_offset * m.p_size)
+                               : static_cast<void*>(m.params_full + m.own_offset(b) * m.p_size);
+      be.convert(m.master_slice(b), DType::fp32, out, m.pdt, buckets[b].shard_size, be.compute_stream());
+    }
+  }
+  if (m.stage <= 2 && !(fp32 && m.stage == 0)) {
+    be.synchronize(be.compute_stream());
+    std::vector<WorkPtr> works;
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      works.push_back(m.comm.all_gather(m.params_full + m.own_offset(b) * m.p_size,
+                                        m.params_full + buckets[b].offset * m.p_size, buckets[b].shard_size, m.pdt,
+                                        be.comm_stream()));
+    for (auto& w : works) w->wait();
+    be.synchronize(be.comm_stream());
+  }
+  step_ = state.value("step", std::int64_t{0});
+  skipped_total_ = state.value("skipped_total", std::int64_t{0});
+  consecutive_nonfinite_ = state.value("consecutive_nonfinite", 0);
+  scaler_.restore(state.value("loss_scale", 1.0), state.value("loss_scale_good_steps", 0),
+                  state.value("loss_scale_hysteresis_left", 1), state.value("loss_scale_skipped", std::int64_t{0}));
 }
 
 }  // namespace zero

@@ -53,6 +53,9 @@ class HostBackend final : public Backend {
   void accumulate(void* dst, const void* src, DType dtype, std::size_t count, Stream) override {
     cpu_accumulate(dst, src, dtype, count);
   }
+  void ema_update(float* ema, const float* weights, std::size_t count, double decay, Stream) override {
+    cpu_ema_update(ema, weights, count, decay);
+  }
   void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
                       const ShardUpdate& update, Stream) override {
     cpu_optimizer_step(options, scalars, update, kernel_);

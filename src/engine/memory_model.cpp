@@ -29,6 +29,7 @@ MemoryByCategory model_state_bytes(const ModelStateConfig& c) {
   const std::size_t optimizer_elements = c.stage == 0 ? full : shard;
   m.master = c.param_dtype == DType::fp32 ? 0 : optimizer_elements * 4;
   m.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * optimizer_elements * 4;
+  m.ema = c.ema ? optimizer_elements * 4 : 0;
   return m;
 }
 
@@ -48,7 +49,7 @@ std::string format_bytes(std::size_t bytes) {
 std::string format_memory(const MemoryByCategory& m) {
   std::ostringstream out;
   out << "params " << format_bytes(m.params) << ", grads " << format_bytes(m.grads) << ", master "
-      << format_bytes(m.master) << ", optimizer " << format_bytes(m.optimizer_state) << ", buffers "
+      << format_bytes(m.master) << ", optimizer " << format_bytes(m.optimizer_state) << ", ema " << format_bytes(m.ema) << ", buffers "
       << format_bytes(m.buffers) << ", total " << format_bytes(m.total());
   return out.str();
 }

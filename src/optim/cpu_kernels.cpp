@@ -233,6 +233,12 @@ void cpu_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, s
   for (std::size_t i = 0; i < count; ++i) store_from_float(dst, i, dst_dtype, load_as_float(src, i, src_dtype));
 }
 
+void cpu_ema_update(float* ema, const float* weights, std::size_t count, double decay) {
+  const float d = static_cast<float>(decay), one_minus = static_cast<float>(1.0 - decay);
+#pragma omp parallel for schedule(static) if (count > kChunk)
+  for (std::size_t i = 0; i < count; ++i) ema_element(ema[i], weights[i], d, one_minus);
+}
+
 void cpu_accumulate(void* dst, const void* src, DType dtype, std::size_t count) {
   check_dtype(dtype, "accumulate");
 #pragma omp parallel for schedule(static) if (count > kChunk)

@@ -50,6 +50,9 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::
 /// dst[i] = round(dst[i] + src[i]), added in fp32.
 void accumulate(void* dst, const void* src, DType dtype, std::size_t count, Stream stream);
 
+/// ema = decay*ema + (1-decay)*weights (fp32), as ema_element().
+void ema_update(float* ema, const float* weights, std::size_t count, double decay, Stream stream);
+
 /// Fills with uniform values in [low, high) from a counter-based hash of
 /// (seed, index): the same seed gives the same data on any launch shape.
 void fill_uniform(void* data, std::size_t count, DType dtype, std::uint64_t seed, float low,

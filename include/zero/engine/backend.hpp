@@ -51,6 +51,8 @@ class Backend {
                        std::size_t count, Stream stream) = 0;
   virtual void accumulate(void* dst, const void* src, DType dtype, std::size_t count,
                           Stream stream) = 0;
+  /// ema = decay*ema + (1-decay)*weights, fp32, count elements.
+  virtual void ema_update(float* ema, const float* weights, std::size_t count, double decay, Stream stream) = 0;
   virtual void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
                               const ShardUpdate& update, Stream stream) = 0;
   /// Sum of squares and a non-finite flag of several spans, read back to the

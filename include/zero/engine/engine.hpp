@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,12 @@ struct EngineOptions {
   /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
   std::optional<bool> loss_scaling;
   LossScalerOptions loss_scaler{};
+  /// Exponential moving average of the weights (fp32, sharded like the
+  /// master weights); 0 disables it. Updated after every applied step.
+  double ema_decay = 0;
+  /// Ramp the EMA decay as min(decay, (1 + t) / (10 + t)) at step t, so early
+  /// weights do not dominate (the convention of diffusers' EMAModel).
+  bool ema_warmup = true;
   /// Bucket reductions allowed in flight before the oldest is waited for:
   /// overlap against memory for bucket buffers and communicator scratch.
   int max_reductions_in_flight = 2;
@@ -139,6 +146,21 @@ class Engine {
   std::vector<std::vector<float>> gather_master_params();
   /// All parameters as model-dtype values widened to float (collective).
   std::vector<std::vector<float>> gather_model_params();
+  /// The EMA weights (collective); throws when EMA is off.
+  std::vector<std::vector<float>> gather_ema_params();
+
+  // ------------------------------------------------------------ checkpoints
+  /// Writes this rank's part of the training state to one safetensors file
+  /// (atomically): master weights, optimizer moments and EMA of the slices it
+  /// owns, plus step, loss-scaler state and the layout as metadata. The
+  /// format does not depend on the stage: a stage-0 engine writes its own
+  /// slices only, so a checkpoint can be resumed at another stage.
+  /// `metadata` adds string entries (the trainer's config, RNG states...).
+  void save_state(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata = {});
+  /// Restores what save_state wrote for this rank, at the same world size and
+  /// layout (any stage); the model parameters are recomputed from the master
+  /// weights. Collective. Throws zero::IoError naming the file and the mismatch.
+  void load_state(const std::string& path);
 
   // ------------------------------------------------------------ memory
   /// Bytes held now, by category (communicator workspace in buffers).
@@ -151,6 +173,7 @@ class Engine {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::vector<std::vector<float>> gather_fp32_slices(const std::function<const float*(std::size_t)>& slice);
   Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend);
 
   EngineOptions options_;

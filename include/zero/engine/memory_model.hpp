@@ -26,8 +26,9 @@ struct MemoryByCategory {
   std::size_t grads = 0;            // gradient buffers and accumulators
   std::size_t master = 0;           // fp32 master weights (0 when the model itself is fp32)
   std::size_t optimizer_state = 0;  // fp32 moments
+  std::size_t ema = 0;              // fp32 exponential moving average of the weights (if enabled)
   std::size_t buffers = 0;          // bucket buffers, scratch, communicator workspace
-  std::size_t model_state() const { return params + grads + master + optimizer_state; }
+  std::size_t model_state() const { return params + grads + master + optimizer_state + ema; }
   std::size_t total() const { return model_state() + buffers; }
 };
 
@@ -40,6 +41,7 @@ struct ModelStateConfig {
   OptimizerOptions optimizer{};
   GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
   int accumulation_steps = 1;
+  bool ema = false;  // an fp32 EMA of the weights, sharded like the master weights
 };
 
 /// Persistent model-state bytes per rank (no transient buffers):
@@ -48,6 +50,7 @@ struct ModelStateConfig {
 ///           where the accumulation mode needs both (see GradAccumulation)
 ///   master: Ψ·4 at stage 0, Ψ·4/N at stages 1-3 (0 when params are fp32)
 ///   state:  K·Ψ·4 at stage 0, K·Ψ·4/N at stages 1-3 (K = state slots)
+///   ema:    Ψ·4 at stage 0, Ψ·4/N at stages 1-3, when enabled
 /// numel must be a multiple of world_size (padded).
 MemoryByCategory model_state_bytes(const ModelStateConfig& config);
 

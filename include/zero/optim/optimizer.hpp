@@ -157,6 +157,11 @@ ZERO_HOST_DEVICE void sgd_element(float& param, float* buf, float g, const StepS
   param = param - s.lr * g;
 }
 
+/// Exponential moving average of the weights: ema <- decay*ema + (1-decay)*w.
+ZERO_HOST_DEVICE void ema_element(float& ema, float weight, float decay, float one_minus_decay) {
+  ema = decay * ema + one_minus_decay * weight;
+}
+
 // ---------------------------------------------------------------------------
 // Kernel interface. One span of a rank's shard; all pointers cover `count`
 // elements. Padding elements (zero grad, zero param, zero state) stay zero.
@@ -191,6 +196,9 @@ struct GradStats {
 };
 GradStats cpu_grad_stats(const void* data, std::size_t count, DType dtype,
                          CpuKernel kernel = CpuKernel::vectorized);
+
+/// ema[i] = decay*ema[i] + (1-decay)*weights[i] on the CPU.
+void cpu_ema_update(float* ema, const float* weights, std::size_t count, double decay);
 
 /// Converts count elements between dtypes on the CPU (round to nearest even).
 void cpu_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count);

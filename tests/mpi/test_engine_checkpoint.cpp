@@ -1,0 +1,155 @@
+// Engine state: save and resume at the same world size continue bit for bit,
+// also at another stage; the EMA follows its definition; a shard of another
+// rank, model or world size is refused with the file named.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "zero/comm/mpi_communicator.hpp"
+#include "zero/engine/engine.hpp"
+
+using namespace zero;
+
+namespace {
+
+std::vector<std::vector<ParamSpec>> units() {
+  return {{{"a", 1000, {}}, {"b", 37, {}}}, {{"c", 4099, {}}}, {{"d", 3, {}}, {"e", 517, {}}}};
+}
+
+EngineOptions options(int stage, DType dtype) {
+  EngineOptions o;
+  o.stage = stage;
+  o.param_dtype = dtype;
+  o.alignment_elements = 8;
+  o.optimizer.lr = 1e-2;
+  o.ema_decay = 0.9;
+  return o;
+}
+
+void init(Engine& engine) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    std::vector<float> v(engine.layout().params()[p].numel);
+    for (float& x : v) x = normal(rng);
+    engine.set_param(p, v.data());
+  }
+}
+
+// One step with gradients that depend on (step, rank) and on the weights.
+void train_step(Engine& engine, int step, int rank) {
+  const DType g = engine.options().effective_grad_dtype();
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
+  std::vector<std::vector<float>> w(engine.param_count());
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    const std::size_t n = engine.layout().params()[p].numel;
+    for (std::size_t k = 0; k < n; ++k) w[p].push_back(load_as_float(engine.param_data(p), k, engine.options().param_dtype));
+  }
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
+  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
+  std::normal_distribution<float> normal;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    void* grad = engine.grad_data(p);
+    for (std::size_t k = 0; k < w[p].size(); ++k) store_from_float(grad, k, g, w[p][k] - 0.5f + 0.1f * normal(rng));
+    engine.grad_ready(p);
+  }
+  engine.finish_micro_step();
+  REQUIRE(engine.step().applied);
+}
+
+std::string shard_path(const std::string& tag, int rank) {
+  return (std::filesystem::temp_directory_path() / ("zero-test-" + tag + "-rank" + std::to_string(rank) + ".safetensors"))
+      .string();
+}
+
+}  // namespace
+
+TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  // The pid differs per rank; agree on rank 0's so every rank names the same files.
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "resume" + std::to_string(static_cast<long>(pid));
+  for (DType dtype : {DType::fp32, DType::bf16}) {
+    for (int save_stage = 0; save_stage <= 3; ++save_stage) {
+      CAPTURE(dtype);
+      CAPTURE(save_stage);
+      Engine straight(units(), options(save_stage, dtype), comm, *backend);
+      init(straight);
+      for (int s = 0; s < 3; ++s) train_step(straight, s, comm.rank());
+      const std::string path = shard_path(tag, comm.rank());
+      straight.save_state(path, {{"note", "test"}});
+      for (int s = 3; s < 6; ++s) train_step(straight, s, comm.rank());
+      const auto want_master = straight.gather_master_params();
+      const auto want_ema = straight.gather_ema_params();
+      const auto want_model = straight.gather_model_params();
+      for (int resume_stage : {save_stage, (save_stage + 1) % 4}) {
+        CAPTURE(resume_stage);
+        Engine resumed(units(), options(resume_stage, dtype), comm, *backend);
+        init(resumed);  // overwritten by the load
+        resumed.load_state(path);
+        CHECK(resumed.steps_applied() == 3);
+        for (int s = 3; s < 6; ++s) train_step(resumed, s, comm.rank());
+        CHECK(resumed.gather_master_params() == want_master);
+        CHECK(resumed.gather_ema_params() == want_ema);
+        CHECK(resumed.gather_model_params() == want_model);
+      }
+      std::filesystem::remove(path);
+    }
+  }
+}
+
+TEST_CASE("the EMA follows its definition with warm-up") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  for (int stage = 0; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    Engine engine(units(), options(stage, DType::fp32), comm, *backend);
+    init(engine);
+    auto ema = engine.gather_master_params();
+    for (int s = 0; s < 4; ++s) {
+      train_step(engine, s, comm.rank());
+      const auto w = engine.gather_master_params();
+      const double t = s + 1;
+      const double decay = std::min(0.9, (1 + t) / (10 + t));
+      const float d = static_cast<float>(decay), one_minus = static_cast<float>(1.0 - decay);
+      for (std::size_t p = 0; p < w.size(); ++p)
+        for (std::size_t k = 0; k < w[p].size(); ++k) ema[p][k] = d * ema[p][k] + one_minus * w[p][k];
+      CHECK(engine.gather_ema_params() == ema);
+    }
+  }
+}
+
+TEST_CASE("a shard of another model, rank or world size is refused, naming the file") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "bad" + std::to_string(static_cast<long>(pid));
+  Engine engine(units(), options(2, DType::bf16), comm, *backend);
+  init(engine);
+  const std::string path = shard_path(tag, comm.rank());
+  engine.save_state(path);
+  auto other_units = units();
+  other_units[1][0].numel = 4098;
+  Engine other(other_units, options(2, DType::bf16), comm, *backend);
+  CHECK_THROWS_WITH_AS(other.load_state(path), doctest::Contains("belongs to another model: parameter 2"), IoError);
+  CHECK_THROWS_WITH_AS(other.load_state(path), doctest::Contains(path.c_str()), IoError);
+  if (comm.size() > 1) {
+    const std::string neighbour = shard_path(tag, (comm.rank() + 1) % comm.size());
+    comm.barrier();
+    CHECK_THROWS_WITH_AS(engine.load_state(neighbour), doctest::Contains("rank is"), IoError);
+  }
+  EngineOptions sgd = options(2, DType::bf16);
+  sgd.optimizer.kind = OptimizerKind::sgd;
+  Engine with_sgd(units(), sgd, comm, *backend);
+  CHECK_THROWS_WITH_AS(with_sgd.load_state(path), doctest::Contains("optimizer is \"adamw\""), IoError);
+  comm.barrier();
+  std::filesystem::remove(path);
+}

@@ -1,0 +1,438 @@
+#include "data/cached_dataset.hpp"
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <span>
+#include <sstream>
+#include <system_error>
+
+#include "zero/core/error.hpp"
+#include "zero/io/atomic_file.hpp"
+#include "zero/io/safetensors.hpp"
+
+namespace sdxl::data {
+namespace {
+
+using Json = nlohmann::json;
+
+// Every message starts with the offending file, so that one bad shard among
+// thousands is found without a debugger.
+#define SDXL_BAD_FILE(path, ...) \
+  ZERO_THROW(::zero::IoError, "cached dataset file '", (path).string(), "': ", __VA_ARGS__)
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? "," : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+// Typed accessors for index.json: each names the JSON path of a bad field.
+const Json& member(const Json& object, const std::string& key, const std::string& where,
+                   const std::filesystem::path& file) {
+  if (!object.is_object()) SDXL_BAD_FILE(file, where, " is not a JSON object");
+  auto it = object.find(key);
+  if (it == object.end()) SDXL_BAD_FILE(file, "missing field '", where, ".", key, "'");
+  return *it;
+}
+
+std::int64_t integer(const Json& value, const std::string& where, const std::filesystem::path& file,
+                     std::int64_t min_value) {
+  if (!value.is_number_integer())
+    SDXL_BAD_FILE(file, "field '", where, "' must be an integer, found ", value.type_name());
+  const std::int64_t v = value.get<std::int64_t>();
+  if (v < min_value) SDXL_BAD_FILE(file, "field '", where, "' is ", v, ", expected >= ", min_value);
+  return v;
+}
+
+std::string string_field(const Json& value, const std::string& where, const std::filesystem::path& file) {
+  if (!value.is_string())
+    SDXL_BAD_FILE(file, "field '", where, "' must be a string, found ", value.type_name());
+  return value.get<std::string>();
+}
+
+std::vector<std::int64_t> int_array(const Json& value, std::size_t length, const std::string& where,
+                                    const std::filesystem::path& file, std::int64_t min_value) {
+  if (!value.is_array() || value.size() != length)
+    SDXL_BAD_FILE(file, "field '", where, "' must be an array of ", length, " integers");
+  std::vector<std::int64_t> result;
+  for (std::size_t i = 0; i < length; ++i)
+    result.push_back(integer(value[i], where + "[" + std::to_string(i) + "]", file, min_value));
+  return result;
+}
+
+std::array<std::int64_t, 2> pair_of(const std::vector<std::int64_t>& v) { return {v[0], v[1]}; }
+
+bool is_plain_file_name(const std::string& name) {
+  // Shard names are relative to the dataset directory; a name with a
+  // separator or "..", or an absolute path, would let an index read elsewhere.
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+std::vector<std::byte> to_storage(const std::vector<float>& values, zero::DType dtype) {
+  std::vector<std::byte> bytes(values.size() * zero::size_of(dtype));
+  if (dtype == zero::DType::fp32) {
+    if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
+  } else {
+    for (std::size_t i = 0; i < values.size(); ++i)
+      zero::store_from_float(bytes.data(), i, dtype, values[i]);
+  }
+  return bytes;
+}
+
+}  // namespace
+
+std::string shard_file_name(std::size_t shard_index) {
+  char name[64];
+  std::snprintf(name, sizeof name, "shard-%05zu.safetensors", shard_index);
+  return name;
+}
+
+std::array<float, kTimeIdCount> SampleRecord::time_ids() const {
+  return {static_cast<float>(original_size[0]), static_cast<float>(original_size[1]),
+          static_cast<float>(crop_top_left[0]), static_cast<float>(crop_top_left[1]),
+          static_cast<float>(target_size[0]),   static_cast<float>(target_size[1])};
+}
+
+// ---------------------------------------------------------------- reader
+
+CachedDataset::~CachedDataset() = default;
+
+std::unique_ptr<CachedDataset> CachedDataset::open(const std::filesystem::path& directory) {
+  std::unique_ptr<CachedDataset> dataset(new CachedDataset());
+  dataset->directory_ = directory;
+  dataset->load_index();
+  // Sample indices per shard, so that validation is linear in the sample count.
+  std::vector<std::vector<std::size_t>> members(dataset->shards_.size());
+  for (std::size_t i = 0; i < dataset->records_.size(); ++i) members[dataset->records_[i].shard].push_back(i);
+  dataset->files_.resize(dataset->shards_.size());
+  for (std::size_t s = 0; s < dataset->shards_.size(); ++s) dataset->validate_shard(s, members[s]);
+  return dataset;
+}
+
+void CachedDataset::load_index() {
+  const std::filesystem::path path = directory_ / kIndexFileName;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error))
+    SDXL_BAD_FILE(path, "missing (a dataset directory holds index.json, written last by the "
+                        "writer; its absence means the dataset is incomplete)");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) SDXL_BAD_FILE(path, "cannot be read");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+
+  Json index;
+  try {
+    index = Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    SDXL_BAD_FILE(path, "not valid JSON: ", e.what());
+  }
+  if (!index.is_object()) SDXL_BAD_FILE(path, "top level must be a JSON object");
+
+  const std::string format = string_field(member(index, "format", "index", path), "format", path);
+  if (format != kCachedFormatName)
+    SDXL_BAD_FILE(path, "format is '", format, "', expected '", kCachedFormatName, "'");
+  const std::int64_t version = integer(member(index, "version", "index", path), "version", path, 1);
+  if (version != kCachedFormatVersion)
+    SDXL_BAD_FILE(path, "format version ", version, " is not supported (this reader reads version ",
+                  kCachedFormatVersion, ")");
+  const std::int64_t channels =
+      integer(member(index, "latent_channels", "index", path), "latent_channels", path, 1);
+  if (channels != kLatentChannels)
+    SDXL_BAD_FILE(path, "latent_channels is ", channels, ", expected ", kLatentChannels, " (SDXL VAE)");
+  if (auto it = index.find("vae_scaling_factor"); it != index.end()) {
+    if (!it->is_number()) SDXL_BAD_FILE(path, "field 'vae_scaling_factor' must be a number");
+    vae_scaling_factor_ = it->get<double>();
+  }
+
+  const Json& text_dims = member(index, "text", "index", path);
+  text_dims_.sequence_length =
+      integer(member(text_dims, "sequence_length", "text", path), "text.sequence_length", path, 1);
+  text_dims_.width = integer(member(text_dims, "width", "text", path), "text.width", path, 1);
+  text_dims_.pooled_width =
+      integer(member(text_dims, "pooled_width", "text", path), "text.pooled_width", path, 1);
+
+  const Json& shards = member(index, "shards", "index", path);
+  if (!shards.is_array()) SDXL_BAD_FILE(path, "field 'shards' must be an array");
+  std::set<std::string> shard_names;
+  for (std::size_t s = 0; s < shards.size(); ++s) {
+    const std::string where = "shards[" + std::to_string(s) + "]";
+    ShardRecord shard;
+    shard.file = string_field(member(shards[s], "file", where, path), where + ".file", path);
+    if (!is_plain_file_name(shard.file))
+      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' must be a file name inside the dataset directory");
+    if (!shard_names.insert(shard.file).second)
+      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' is listed twice");
+    shard.num_samples = static_cast<std::size_t>(
+        integer(member(shards[s], "num_samples", where, path), where + ".num_samples", path, 1));
+    shard.size = static_cast<std::uint64_t>(
+        integer(member(shards[s], "size", where, path), where + ".size", path, 8));
+    if (auto it = shards[s].find("sha256"); it != shards[s].end())
+      shard.sha256 = string_field(*it, where + ".sha256", path);
+    shards_.push_back(std::move(shard));
+  }
+
+  const Json& samples = member(index, "samples", "index", path);
+  if (!samples.is_array()) SDXL_BAD_FILE(path, "field 'samples' must be an array");
+  const std::int64_t declared = integer(member(index, "num_samples", "index", path), "num_samples", path, 0);
+  if (static_cast<std::size_t>(declared) != samples.size())
+    SDXL_BAD_FILE(path, "num_samples is ", declared, " but 'samples' holds ", samples.size(), " records");
+  if (samples.empty()) SDXL_BAD_FILE(path, "the dataset holds no samples");
+
+  std::vector<std::size_t> per_shard(shards_.size(), 0);
+  std::vector<std::set<std::string>> keys(shards_.size());
+  records_.reserve(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const std::string where = "samples[" + std::to_string(i) + "]";
+    const Json& entry = samples[i];
+    SampleRecord record;
+    const std::int64_t shard = integer(member(entry, "shard", where, path), where + ".shard", path, 0);
+    if (static_cast<std::size_t>(shard) >= shards_.size())
+      SDXL_BAD_FILE(path, where, " points at shard ", shard, " but the index lists ", shards_.size(),
+                    " shards");
+    record.shard = static_cast<std::size_t>(shard);
+    record.key = string_field(member(entry, "key", where, path), where + ".key", path);
+    if (record.key.empty()) SDXL_BAD_FILE(path, where, ".key is empty");
+    if (!keys[record.shard].insert(record.key).second)
+      SDXL_BAD_FILE(path, where, ".key '", record.key, "' is used twice in shard ", shards_[record.shard].file);
+    const auto shape = int_array(member(entry, "latent_shape", where, path), 3, where + ".latent_shape", path, 1);
+    if (shape[0] != kLatentChannels)
+      SDXL_BAD_FILE(path, where, ".latent_shape is ", shape_text(shape), ", expected [", kLatentChannels,
+                    ",h,w]");
+    record.latent_size = {shape[1], shape[2]};
+    record.original_size =
+        pair_of(int_array(member(entry, "original_size", where, path), 2, where + ".original_size", path, 1));
+    record.crop_top_left =
+        pair_of(int_array(member(entry, "crop_top_left", where, path), 2, where + ".crop_top_left", path, 0));
+    record.target_size =
+        pair_of(int_array(member(entry, "target_size", where, path), 2, where + ".target_size", path, 1));
+    if (auto it = entry.find("caption"); it != entry.end() && !it->is_null())
+      record.caption = string_field(*it, where + ".caption", path);
+    ++per_shard[record.shard];
+    records_.push_back(std::move(record));
+  }
+  for (std::size_t s = 0; s < shards_.size(); ++s) {
+    if (per_shard[s] != shards_[s].num_samples)
+      SDXL_BAD_FILE(path, "shard ", shards_[s].file, " declares ", shards_[s].num_samples,
+                    " samples but ", per_shard[s], " sample records point at it");
+  }
+}
+
+void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members) {
+  const ShardRecord& shard = shards_[shard_index];
+  const std::filesystem::path path = directory_ / shard.file;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error))
+    SDXL_BAD_FILE(path, "missing shard (index.json lists it with ", shard.num_samples, " samples, ",
+                  shard.size, " bytes)");
+  const std::uint64_t size = std::filesystem::file_size(path, error);
+  if (error) SDXL_BAD_FILE(path, "cannot stat: ", error.message());
+  if (size != shard.size)
+    SDXL_BAD_FILE(path, "is ", size, " bytes but index.json records ", shard.size,
+                  " (truncated, or replaced after the index was written)");
+
+  auto file = std::make_unique<zero::io::SafeTensorsFile>(zero::io::SafeTensorsFile::open(path));
+  const std::size_t expected_tensors = 3 * shard.num_samples;
+  if (file->tensors().size() != expected_tensors)
+    SDXL_BAD_FILE(path, "holds ", file->tensors().size(), " tensors, expected ", expected_tensors,
+                  " (3 per sample for the ", shard.num_samples, " samples index.json assigns to it)");
+
+  auto check = [&](const SampleRecord& record, std::size_t sample_index, const std::string& suffix,
+                   const std::vector<std::int64_t>& expected) {
+    const std::string name = record.key + suffix;
+    const zero::io::TensorInfo* info = file->find(name);
+    if (!info) SDXL_BAD_FILE(path, "no tensor '", name, "' for sample ", sample_index);
+    if (!zero::io::to_dtype(info->dtype))
+      SDXL_BAD_FILE(path, "tensor '", name, "' has dtype ", info->dtype, ", expected F16, BF16 or F32");
+    if (info->shape != expected)
+      SDXL_BAD_FILE(path, "tensor '", name, "' has shape ", shape_text(info->shape), ", expected ",
+                    shape_text(expected), " (from index.json)");
+  };
+  for (std::size_t i : members) {
+    const SampleRecord& record = records_[i];
+    check(record, i, ".latents", {kLatentChannels, record.latent_size.height, record.latent_size.width});
+    check(record, i, ".prompt_embeds", {text_dims_.sequence_length, text_dims_.width});
+    check(record, i, ".pooled_prompt_embeds", {text_dims_.pooled_width});
+  }
+  files_[shard_index] = std::move(file);
+}
+
+const SampleRecord& CachedDataset::record(std::size_t i) const {
+  ZERO_CHECK(i < records_.size(), "sample index ", i, " out of range for a dataset of ", records_.size());
+  return records_[i];
+}
+
+LatentSize CachedDataset::bucket_of(std::size_t i) const { return record(i).latent_size; }
+
+Sample CachedDataset::sample(std::size_t i) const {
+  const SampleRecord& rec = record(i);
+  const zero::io::SafeTensorsFile& file = *files_[rec.shard];
+  Sample sample;
+  sample.index = i;
+  sample.latents = file.read_as_float32(rec.key + ".latents");
+  sample.latent_shape = {kLatentChannels, rec.latent_size.height, rec.latent_size.width};
+  sample.prompt_embeds = file.read_as_float32(rec.key + ".prompt_embeds");
+  sample.prompt_embeds_shape = {text_dims_.sequence_length, text_dims_.width};
+  sample.pooled_prompt_embeds = file.read_as_float32(rec.key + ".pooled_prompt_embeds");
+  sample.time_ids = rec.time_ids();
+  sample.caption = rec.caption;
+  return sample;
+}
+
+// ---------------------------------------------------------------- writer
+
+CachedDatasetWriter::CachedDatasetWriter(std::filesystem::path directory, CachedDatasetWriterOptions options)
+    : directory_(std::move(directory)), options_(options) {
+  ZERO_CHECK(options_.samples_per_shard > 0, "CachedDatasetWriter: samples_per_shard must be > 0");
+  zero::check_dtype(options_.latents_dtype, "CachedDatasetWriter latents_dtype");
+  zero::check_dtype(options_.text_dtype, "CachedDatasetWriter text_dtype");
+  ZERO_CHECK(options_.text_dims.sequence_length > 0 && options_.text_dims.width > 0 &&
+                 options_.text_dims.pooled_width > 0,
+             "CachedDatasetWriter: text dims must be positive, got ", options_.text_dims);
+  std::error_code error;
+  std::filesystem::create_directories(directory_, error);
+  if (error)
+    ZERO_THROW(zero::IoError, "cannot create dataset directory '", directory_.string(), "': ", error.message());
+  const std::filesystem::path index = directory_ / kIndexFileName;
+  if (std::filesystem::exists(index, error)) {
+    ZERO_CHECK(options_.overwrite, "CachedDatasetWriter: '", directory_.string(),
+               "' already holds a dataset (index.json); set overwrite to replace it");
+    // Remove the old index before the first new shard replaces an old one: a
+    // crash mid-write must not leave an index that describes mixed shards.
+    std::filesystem::remove(index, error);
+    if (error) ZERO_THROW(zero::IoError, "cannot remove '", index.string(), "': ", error.message());
+    zero::io::fsync_directory(directory_);
+  }
+}
+
+CachedDatasetWriter::~CachedDatasetWriter() = default;
+
+void CachedDatasetWriter::add(const Sample& sample) {
+  const std::array<std::int64_t, 2> size{8 * sample.latent_shape[1], 8 * sample.latent_shape[2]};
+  add(sample, size, {0, 0}, size);
+}
+
+void CachedDatasetWriter::add(const Sample& sample, const std::array<std::int64_t, 2>& original_size,
+                              const std::array<std::int64_t, 2>& crop_top_left,
+                              const std::array<std::int64_t, 2>& target_size) {
+  ZERO_CHECK(!finished_, "CachedDatasetWriter::add after finish()");
+  const auto& ls = sample.latent_shape;
+  ZERO_CHECK(ls[0] == kLatentChannels && ls[1] > 0 && ls[2] > 0, "CachedDatasetWriter::add: latent shape [",
+             ls[0], ",", ls[1], ",", ls[2], "] is not [4,h,w]");
+  ZERO_CHECK_EQ(sample.latents.size(), static_cast<std::size_t>(ls[0] * ls[1] * ls[2]),
+                "latents buffer does not match latent_shape");
+  const TextDims& text = options_.text_dims;
+  ZERO_CHECK(sample.prompt_embeds_shape[0] == text.sequence_length &&
+                 sample.prompt_embeds_shape[1] == text.width,
+             "CachedDatasetWriter::add: prompt_embeds shape [", sample.prompt_embeds_shape[0], ",",
+             sample.prompt_embeds_shape[1], "] differs from the writer's text dims ", text);
+  ZERO_CHECK_EQ(sample.prompt_embeds.size(), static_cast<std::size_t>(text.sequence_length * text.width),
+                "prompt_embeds buffer does not match its shape");
+  ZERO_CHECK_EQ(sample.pooled_prompt_embeds.size(), static_cast<std::size_t>(text.pooled_width),
+                "pooled_prompt_embeds does not match the writer's pooled width");
+  ZERO_CHECK(original_size[0] > 0 && original_size[1] > 0 && target_size[0] > 0 && target_size[1] > 0 &&
+                 crop_top_left[0] >= 0 && crop_top_left[1] >= 0,
+             "CachedDatasetWriter::add: sizes must be positive and the crop non-negative");
+
+  // Strict: a caption that is not UTF-8 is the caller's bug, not something to
+  // replace silently when the index is written.
+  try {
+    (void)Json(sample.caption).dump(-1, ' ', false, Json::error_handler_t::strict);
+  } catch (const Json::exception&) {
+    ZERO_THROW(zero::InvalidArgument, "CachedDatasetWriter::add: caption of sample ", records_.size(),
+               " is not valid UTF-8");
+  }
+
+  SampleRecord record;
+  record.shard = shards_.size();
+  // Keys are the global sample index: unique, and they tell which sample a
+  // tensor belongs to when a shard is inspected by hand.
+  record.key = std::to_string(records_.size());
+  record.latent_size = {ls[1], ls[2]};
+  record.original_size = original_size;
+  record.crop_top_left = crop_top_left;
+  record.target_size = target_size;
+  record.caption = sample.caption;
+
+  pending_.push_back({record.key + ".latents", options_.latents_dtype, {ls[0], ls[1], ls[2]},
+                      to_storage(sample.latents, options_.latents_dtype)});
+  pending_.push_back({record.key + ".prompt_embeds", options_.text_dtype, {text.sequence_length, text.width},
+                      to_storage(sample.prompt_embeds, options_.text_dtype)});
+  pending_.push_back({record.key + ".pooled_prompt_embeds", options_.text_dtype, {text.pooled_width},
+                      to_storage(sample.pooled_prompt_embeds, options_.text_dtype)});
+  records_.push_back(std::move(record));
+  if (++pending_samples_ == options_.samples_per_shard) flush_shard();
+}
+
+void CachedDatasetWriter::flush_shard() {
+  if (pending_samples_ == 0) return;
+  ShardRecord shard;
+  shard.file = shard_file_name(shards_.size());
+  shard.num_samples = pending_samples_;
+  std::vector<zero::io::TensorView> views;
+  views.reserve(pending_.size());
+  for (const PendingTensor& t : pending_)
+    views.push_back({t.name, zero::io::to_tensor_dtype(t.dtype), t.shape, t.bytes.data()});
+  const std::filesystem::path path = directory_ / shard.file;
+  zero::io::write_safetensors(path, views, {{"format", kCachedFormatName}});
+  std::error_code error;
+  shard.size = std::filesystem::file_size(path, error);
+  if (error) ZERO_THROW(zero::IoError, "cannot stat '", path.string(), "': ", error.message());
+  shards_.push_back(std::move(shard));
+  pending_.clear();
+  pending_samples_ = 0;
+}
+
+std::size_t CachedDatasetWriter::finish() {
+  ZERO_CHECK(!finished_, "CachedDatasetWriter::finish called twice");
+  ZERO_CHECK(!records_.empty(), "CachedDatasetWriter::finish: no samples were added");
+  flush_shard();
+
+  // Pretty at the top, one line per sample: readable, and a million samples
+  // do not turn into ten million lines.
+  std::ostringstream out;
+  out << "{\n";
+  out << "  \"format\": " << Json(kCachedFormatName).dump() << ",\n";
+  out << "  \"version\": " << kCachedFormatVersion << ",\n";
+  out << "  \"latent_channels\": " << kLatentChannels << ",\n";
+  out << "  \"vae_scaling_factor\": " << Json(options_.vae_scaling_factor).dump() << ",\n";
+  out << "  \"text\": "
+      << Json{{"sequence_length", options_.text_dims.sequence_length},
+              {"width", options_.text_dims.width},
+              {"pooled_width", options_.text_dims.pooled_width}}
+             .dump()
+      << ",\n";
+  out << "  \"num_samples\": " << records_.size() << ",\n";
+  out << "  \"shards\": [\n";
+  for (std::size_t s = 0; s < shards_.size(); ++s) {
+    Json entry{{"file", shards_[s].file}, {"num_samples", shards_[s].num_samples}, {"size", shards_[s].size}};
+    out << "    " << entry.dump() << (s + 1 < shards_.size() ? ",\n" : "\n");
+  }
+  out << "  ],\n";
+  out << "  \"samples\": [\n";
+  for (std::size_t i = 0; i < records_.size(); ++i) {
+    const SampleRecord& r = records_[i];
+    Json entry{{"shard", r.shard},
+               {"key", r.key},
+               {"latent_shape", {kLatentChannels, r.latent_size.height, r.latent_size.width}},
+               {"original_size", r.original_size},
+               {"crop_top_left", r.crop_top_left},
+               {"target_size", r.target_size}};
+    if (!r.caption.empty()) entry["caption"] = r.caption;
+    out << "    " << entry.dump() << (i + 1 < records_.size() ? ",\n" : "\n");
+  }
+  out << "  ]\n}\n";
+  const std::string text = out.str();
+  zero::io::write_file_atomically(directory_ / kIndexFileName,
+                                  std::as_bytes(std::span<const char>(text.data(), text.size())));
+  finished_ = true;
+  return records_.size();
+}
+
+}  // namespace sdxl::data

@@ -1,0 +1,273 @@
+#include "train_config.hpp"
+
+#define TOML_HEADER_ONLY 1
+#define TOML_EXCEPTIONS 1
+#include <toml++/toml.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <variant>
+
+#include "zero/core/error.hpp"
+
+namespace sdxl {
+
+namespace {
+
+using Field = std::variant<std::string*, std::int64_t*, double*, bool*>;
+
+struct Option {
+  const char* table;
+  const char* key;
+  Field field;
+  const char* help;
+};
+
+std::vector<Option> options_of(TrainConfig& c) {
+  return {
+      {"model", "model_config", &c.model_config, "\"tiny\", \"sdxl-base\", or a diffusers config.json / UNet folder"},
+      {"model", "model_weights", &c.model_weights, "weights to start from (safetensors file, diffusers folder, single file); empty: random init"},
+      {"data", "dataset", &c.dataset, "cached dataset folder (see docs/dataset.md)"},
+      {"data", "synthetic", &c.synthetic, "train on generated samples with a learnable structure"},
+      {"data", "synthetic_samples", &c.synthetic_samples, "number of synthetic samples"},
+      {"data", "latent_size", &c.latent_size, "synthetic latent height and width (image size / 8)"},
+      {"data", "text_length", &c.text_length, "synthetic text-embedding length in tokens"},
+      {"train", "steps", &c.steps, "optimizer steps to train for"},
+      {"train", "batch_size", &c.batch_size, "samples per rank and micro-step"},
+      {"train", "accumulation", &c.accumulation, "micro-steps per optimizer step"},
+      {"train", "precision", &c.precision, "fp32, bf16, or fp16 (dynamic loss scaling)"},
+      {"train", "prediction", &c.prediction, "epsilon or v_prediction"},
+      {"train", "min_snr_gamma", &c.min_snr_gamma, "min-SNR loss weighting gamma (0: off)"},
+      {"train", "noise_offset", &c.noise_offset, "noise offset (0: off)"},
+      {"train", "activation_checkpointing", &c.activation_checkpointing, "recompute each UNet block in backward"},
+      {"train", "seed", &c.seed, "seed of data order, noise and timesteps"},
+      {"optimizer", "optimizer", &c.optimizer, "adamw, lion or sgd"},
+      {"optimizer", "lr", &c.lr, "peak learning rate"},
+      {"optimizer", "lr_schedule", &c.lr_schedule, "constant, linear or cosine (after warm-up)"},
+      {"optimizer", "warmup_steps", &c.warmup_steps, "linear warm-up steps"},
+      {"optimizer", "scale_lr", &c.scale_lr, "multiply lr by world size x batch size x accumulation"},
+      {"optimizer", "beta1", &c.beta1, "AdamW/Lion beta1"},
+      {"optimizer", "beta2", &c.beta2, "AdamW/Lion beta2"},
+      {"optimizer", "eps", &c.eps, "AdamW epsilon"},
+      {"optimizer", "weight_decay", &c.weight_decay, "weight decay"},
+      {"optimizer", "momentum", &c.momentum, "SGD momentum"},
+      {"optimizer", "max_grad_norm", &c.max_grad_norm, "global gradient-norm clipping (0: off)"},
+      {"optimizer", "ema_decay", &c.ema_decay, "EMA of the weights, sharded like the optimizer (0: off)"},
+      {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
+      {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
+      {"zero", "accumulation_mode", &c.accumulation_mode, "each (reduce every micro-step) or boundary"},
+      {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
+      {"output", "log_every", &c.log_every, "steps between log lines"},
+      {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
+      {"output", "keep_checkpoints", &c.keep_checkpoints, "checkpoints kept (older ones are deleted)"},
+      {"output", "resume", &c.resume, "\"latest\" or a checkpoint folder to resume from"},
+      {"output", "export_single_file", &c.export_single_file, "also export the original single-file layout"},
+      {"device", "device", &c.device, "cpu or cuda"},
+  };
+}
+
+std::string show(const Field& field) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        std::ostringstream out;
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) out << '"' << *p << '"';
+        else if constexpr (std::is_same_v<T, bool>) out << (*p ? "true" : "false");
+        else out << *p;
+        return out.str();
+      },
+      field);
+}
+
+void set_from_toml(const Option& o, const toml::node& node, const std::string& origin) {
+  const std::string where = origin + ": [" + o.table + "] " + o.key;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          auto v = node.value<std::string>();
+          ZERO_CHECK(node.is_string() && v, where, ": expected a string, got ", node.type());
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          ZERO_CHECK(node.is_boolean(), where, ": expected true or false, got ", node.type());
+          *p = *node.value<bool>();
+        } else if constexpr (std::is_same_v<T, std::int64_t>) {
+          ZERO_CHECK(node.is_integer(), where, ": expected an integer, got ", node.type());
+          *p = *node.value<std::int64_t>();
+        } else {
+          ZERO_CHECK(node.is_number(), where, ": expected a number, got ", node.type());
+          *p = *node.value<double>();
+        }
+      },
+      o.field);
+}
+
+void set_from_text(const Option& o, const std::string& text) {
+  const std::string where = std::string("--") + o.key;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          *p = text;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (text == "true" || text == "1" || text == "on") *p = true;
+          else if (text == "false" || text == "0" || text == "off") *p = false;
+          else ZERO_THROW(zero::InvalidArgument, where, ": expected true or false, got '", text, "'");
+        } else {
+          std::size_t used = 0;
+          T value{};
+          try {
+            if constexpr (std::is_same_v<T, std::int64_t>) value = std::stoll(text, &used);
+            else value = std::stod(text, &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          ZERO_CHECK(used == text.size() && !text.empty(), where, ": expected ",
+                     std::is_same_v<T, std::int64_t> ? "an integer" : "a number", ", got '", text, "'");
+          *p = value;
+        }
+      },
+      o.field);
+}
+
+void apply_toml(TrainConfig& config, const toml::table& root, const std::string& origin) {
+  auto options = options_of(config);
+  for (const auto& [table_key, table_node] : root) {
+    const std::string table(table_key.str());
+    const toml::table* entries = table_node.as_table();
+    ZERO_CHECK(entries != nullptr, origin, ": top-level key '", table,
+               "' must be a table ([model], [data], [train], [optimizer], [zero], [output], [device])");
+    for (const auto& [key_node, value] : *entries) {
+      const std::string key(key_node.str());
+      const Option* match = nullptr;
+      for (const Option& o : options)
+        if (table == o.table && key == o.key) match = &o;
+      if (!match) {
+        std::string hint;
+        for (const Option& o : options)
+          if (key == o.key) hint = std::string(" (it belongs in [") + o.table + "])";
+        ZERO_THROW(zero::InvalidArgument, origin, ": unknown key '", table, ".", key, "'", hint);
+      }
+      set_from_toml(*match, value, origin);
+    }
+  }
+}
+
+}  // namespace
+
+void TrainConfig::validate() const {
+  using zero::InvalidArgument;
+  auto one_of = [](const std::string& value, std::initializer_list<const char*> allowed, const char* key) {
+    for (const char* a : allowed)
+      if (value == a) return;
+    std::string list;
+    for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
+    ZERO_THROW(InvalidArgument, key, ": '", value, "' is not one of ", list);
+  };
+  ZERO_CHECK(synthetic || !dataset.empty(), "data: set dataset to a cached dataset folder, or synthetic = true");
+  ZERO_CHECK(synthetic_samples >= 1, "synthetic_samples must be >= 1, got ", synthetic_samples);
+  ZERO_CHECK(latent_size >= 8 && latent_size % 8 == 0, "latent_size must be a positive multiple of 8, got ", latent_size);
+  ZERO_CHECK(text_length >= 1, "text_length must be >= 1, got ", text_length);
+  ZERO_CHECK(steps >= 1, "steps must be >= 1, got ", steps);
+  ZERO_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
+  ZERO_CHECK(accumulation >= 1, "accumulation must be >= 1, got ", accumulation);
+  one_of(precision, {"fp32", "bf16", "fp16"}, "precision");
+  one_of(prediction, {"epsilon", "v_prediction"}, "prediction");
+  ZERO_CHECK(min_snr_gamma >= 0 && std::isfinite(min_snr_gamma), "min_snr_gamma must be >= 0, got ", min_snr_gamma);
+  ZERO_CHECK(noise_offset >= 0 && noise_offset < 1, "noise_offset must be in [0, 1), got ", noise_offset);
+  one_of(optimizer, {"adamw", "lion", "sgd"}, "optimizer");
+  ZERO_CHECK(lr > 0 && std::isfinite(lr), "lr must be > 0, got ", lr);
+  one_of(lr_schedule, {"constant", "linear", "cosine"}, "lr_schedule");
+  ZERO_CHECK(warmup_steps >= 0 && warmup_steps <= steps, "warmup_steps must be in [0, steps], got ", warmup_steps);
+  ZERO_CHECK(beta1 >= 0 && beta1 < 1, "beta1 must be in [0, 1), got ", beta1);
+  ZERO_CHECK(beta2 >= 0 && beta2 < 1, "beta2 must be in [0, 1), got ", beta2);
+  ZERO_CHECK(eps > 0, "eps must be > 0, got ", eps);
+  ZERO_CHECK(weight_decay >= 0, "weight_decay must be >= 0, got ", weight_decay);
+  ZERO_CHECK(momentum >= 0 && momentum < 1, "momentum must be in [0, 1), got ", momentum);
+  ZERO_CHECK(max_grad_norm >= 0, "max_grad_norm must be >= 0, got ", max_grad_norm);
+  ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "ema_decay must be in [0, 1), got ", ema_decay);
+  ZERO_CHECK(stage >= 0 && stage <= 3, "stage must be 0, 1, 2 or 3, got ", stage);
+  ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);
+  one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
+  ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
+  ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
+  ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);
+  ZERO_CHECK(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got ", keep_checkpoints);
+  one_of(device, {"cpu", "cuda"}, "device");
+}
+
+std::string TrainConfig::to_toml() const {
+  TrainConfig copy = *this;
+  std::ostringstream out;
+  std::string table;
+  for (const Option& o : options_of(copy)) {
+    if (table != o.table) {
+      table = o.table;
+      out << (out.tellp() > 0 ? "\n" : "") << "[" << table << "]\n";
+    }
+    out << o.key << " = " << show(o.field) << "\n";
+  }
+  return out.str();
+}
+
+TrainConfig train_config_from_toml(const std::string& text, const std::string& origin) {
+  TrainConfig config;
+  toml::table root;
+  try {
+    root = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    ZERO_THROW(zero::InvalidArgument, origin, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
+               e.description());
+  }
+  apply_toml(config, root, origin);
+  config.validate();
+  return config;
+}
+
+bool parse_train_config(int argc, char** argv, TrainConfig& config) {
+  CLI::App app{"Full fine-tuning of the SDXL UNet on zero.\n  mpirun -np N train --config file.toml [--key value ...]"};
+  std::string config_path;
+  app.add_option("--config", config_path, "TOML configuration file; --key value options override it");
+  TrainConfig defaults;
+  auto default_options = options_of(defaults);
+  std::vector<std::string> overrides(default_options.size());
+  std::vector<CLI::Option*> handles;
+  for (std::size_t i = 0; i < default_options.size(); ++i) {
+    const Option& o = default_options[i];
+    handles.push_back(app.add_option(std::string("--") + o.key, overrides[i],
+                                     std::string(o.help) + " [" + o.table + "] (default: " + show(o.field) + ")")
+                          ->type_name(std::holds_alternative<std::string*>(o.field) ? "TEXT"
+                                      : std::holds_alternative<bool*>(o.field)       ? "BOOL"
+                                      : std::holds_alternative<double*>(o.field)     ? "NUMBER"
+                                                                                      : "INT"));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::printf("%s", app.help().c_str());
+    return false;
+  } catch (const CLI::ParseError& e) {
+    ZERO_THROW(zero::InvalidArgument, "command line: ", e.what(), " (see --help)");
+  }
+  config = TrainConfig{};
+  if (!config_path.empty()) {
+    toml::table root;
+    try {
+      root = toml::parse_file(config_path);
+    } catch (const toml::parse_error& e) {
+      ZERO_THROW(zero::InvalidArgument, config_path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
+                 e.description());
+    }
+    apply_toml(config, root, config_path);
+  }
+  auto options = options_of(config);
+  for (std::size_t i = 0; i < options.size(); ++i)
+    if (handles[i]->count() > 0) set_from_text(options[i], overrides[i]);
+  config.validate();
+  return true;
+}
+
+}  // namespace sdxl

@@ -1,0 +1,71 @@
+// The trainer's configuration: one table of options, read from a TOML file
+// and overridable on the command line (`--key value`, the same dotted names),
+// validated once with errors that name the key. `--help` prints every option
+// with its default; the effective configuration is printed at start and
+// saved with every checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sdxl {
+
+struct TrainConfig {
+  // [model]
+  std::string model_config = "tiny";   // "tiny", "sdxl-base", or a diffusers config.json / model folder
+  std::string model_weights;           // safetensors / diffusers folder / single file; empty: random init
+  // [data]
+  std::string dataset;                 // cached dataset folder (docs/dataset.md); empty with synthetic
+  bool synthetic = false;
+  std::int64_t synthetic_samples = 512;
+  std::int64_t latent_size = 16;       // synthetic: latent height and width (image size / 8)
+  std::int64_t text_length = 77;       // synthetic: tokens of the text embedding
+  // [train]
+  std::int64_t steps = 100;
+  std::int64_t batch_size = 1;         // per rank and micro-step
+  std::int64_t accumulation = 1;
+  std::string precision = "bf16";      // fp32, bf16, fp16 (with loss scaling)
+  std::string prediction = "epsilon";  // epsilon, v_prediction
+  double min_snr_gamma = 0;            // 0: off
+  double noise_offset = 0;
+  bool activation_checkpointing = false;
+  std::int64_t seed = 1234;
+  // [optimizer]
+  std::string optimizer = "adamw";     // adamw, lion, sgd
+  double lr = 1e-5;
+  std::string lr_schedule = "constant";  // constant, linear, cosine
+  std::int64_t warmup_steps = 0;
+  bool scale_lr = false;               // lr x (world size x batch x accumulation)
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2, momentum = 0.9;
+  double max_grad_norm = 1.0;          // 0: no clipping
+  double ema_decay = 0;                // 0: no EMA
+  // [zero]
+  std::int64_t stage = 2;
+  double bucket_mib = 32;
+  std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
+  // [output]
+  std::string output_dir = "runs/sdxl";
+  std::int64_t log_every = 1;
+  std::int64_t checkpoint_every = 0;   // 0: only at the end
+  std::int64_t keep_checkpoints = 2;
+  std::string resume;                  // "", "latest", or a checkpoint folder
+  bool export_single_file = false;     // also write the original single-file layout
+  // [device]
+  std::string device = "cpu";          // cpu, cuda
+
+  /// Throws zero::InvalidArgument naming the first key that is out of range.
+  void validate() const;
+  /// TOML text of every option (what was used), for logs and checkpoints.
+  std::string to_toml() const;
+};
+
+/// Reads `--config file.toml` and `--key value` overrides from argv; returns
+/// false when --help was printed (exit 0). Unknown keys in the file, wrong
+/// types and bad values are zero::InvalidArgument naming the key and file.
+bool parse_train_config(int argc, char** argv, TrainConfig& config);
+
+/// Parses TOML text (for tests); `origin` names it in errors.
+TrainConfig train_config_from_toml(const std::string& text, const std::string& origin);
+
+}  // namespace sdxl

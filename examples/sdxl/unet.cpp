@@ -1,0 +1,790 @@
+// The SDXL UNet's building blocks and their composition.
+//
+// Layout mirrors diffusers so that named_parameters() yields diffusers'
+// state-dict names in diffusers' order: each module registers its parameters
+// and children in the order diffusers' __init__ assigns them (e.g. a
+// CrossAttnDownBlock2D registers "attentions" before "resnets").
+//
+// The leaf layers are our own (not torch::nn::Linear & co.) so that parameters
+// are created directly with the requested dtype/device, including the meta
+// device, and without paying for an initialisation that a weight load would
+// overwrite.
+
+#include "unet.hpp"
+
+#include <torch/version.h>
+
+#include <cmath>
+
+#include "zero/core/error.hpp"
+
+namespace sdxl {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---------------------------------------------------------------- leaf layers
+
+namespace {
+
+struct ParamFactory {
+  torch::TensorOptions options;
+  bool initialize = true;
+
+  bool should_init() const { return initialize && options.device().type() != torch::kMeta; }
+
+  // PyTorch's default for Linear/Conv weights and biases: kaiming_uniform with
+  // a = sqrt(5) reduces to U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the bias bound too.
+  Tensor uniform(torch::IntArrayRef shape, std::int64_t fan_in) const {
+    Tensor t = torch::empty(shape, options);
+    if (should_init()) {
+      torch::NoGradGuard no_grad;
+      const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+      t.uniform_(-bound, bound);
+    }
+    return t;
+  }
+  Tensor filled(torch::IntArrayRef shape, double value) const {
+    Tensor t = torch::empty(shape, options);
+    if (should_init()) {
+      torch::NoGradGuard no_grad;
+      t.fill_(value);
+    }
+    return t;
+  }
+};
+
+// A plain container whose children are registered under explicit names
+// ("0", "2", ...), to reproduce diffusers' nn.ModuleList / nn.Sequential paths
+// including indices that hold parameterless modules (dropout).
+std::shared_ptr<torch::nn::Module> make_container() { return std::make_shared<torch::nn::Module>(); }
+
+}  // namespace
+
+class Linear : public torch::nn::Module {
+ public:
+  Linear(std::int64_t in, std::int64_t out, bool bias, const ParamFactory& f) {
+    weight_ = register_parameter("weight", f.uniform({out, in}, in));
+    if (bias) bias_ = register_parameter("bias", f.uniform({out}, in));
+  }
+  Tensor forward(const Tensor& x) const { return torch::linear(x, weight_, bias_); }
+
+ private:
+  Tensor weight_, bias_;
+};
+
+class Conv2d : public torch::nn::Module {
+ public:
+  Conv2d(std::int64_t in, std::int64_t out, std::int64_t kernel, std::int64_t stride, std::int64_t padding,
+         const ParamFactory& f)
+      : stride_(stride), padding_(padding) {
+    weight_ = register_parameter("weight", f.uniform({out, in, kernel, kernel}, in * kernel * kernel));
+    bias_ = register_parameter("bias", f.uniform({out}, in * kernel * kernel));
+  }
+  Tensor forward(const Tensor& x) const {
+    return torch::conv2d(x, weight_, bias_, {stride_, stride_}, {padding_, padding_});
+  }
+
+ private:
+  Tensor weight_, bias_;
+  std::int64_t stride_, padding_;
+};
+
+class GroupNorm : public torch::nn::Module {
+ public:
+  GroupNorm(std::int64_t groups, std::int64_t channels, double eps, const ParamFactory& f)
+      : groups_(groups), eps_(eps) {
+    ZERO_CHECK(channels % groups == 0, "GroupNorm: ", channels, " channels are not divisible by ", groups,
+               " groups (norm_num_groups)");
+    weight_ = register_parameter("weight", f.filled({channels}, 1.0));
+    bias_ = register_parameter("bias", f.filled({channels}, 0.0));
+  }
+  Tensor forward(const Tensor& x) const { return torch::group_norm(x, groups_, weight_, bias_, eps_); }
+
+ private:
+  Tensor weight_, bias_;
+  std::int64_t groups_;
+  double eps_;
+};
+
+class LayerNorm : public torch::nn::Module {
+ public:
+  LayerNorm(std::int64_t dim, double eps, const ParamFactory& f) : dim_(dim), eps_(eps) {
+    weight_ = register_parameter("weight", f.filled({dim}, 1.0));
+    bias_ = register_parameter("bias", f.filled({dim}, 0.0));
+  }
+  Tensor forward(const Tensor& x) const { return torch::layer_norm(x, {dim_}, weight_, bias_, eps_); }
+
+ private:
+  Tensor weight_, bias_;
+  std::int64_t dim_;
+  double eps_;
+};
+
+// ---------------------------------------------------------------- embeddings
+
+Tensor timestep_features(const Tensor& timesteps, std::int64_t dim, bool flip_sin_to_cos,
+                         double downscale_freq_shift) {
+  ZERO_CHECK(timesteps.dim() == 1, "timestep_features: expected a 1-d tensor of timesteps, got ",
+             timesteps.dim(), " dimensions");
+  const std::int64_t half = dim / 2;
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(timesteps.device());
+  // Same operation order as diffusers (exponent scaled, then exp) so that the
+  // float32 rounding matches its reference output.
+  Tensor exponent = torch::arange(0, half, f32) * (-std::log(10000.0));
+  exponent = exponent / (static_cast<double>(half) - downscale_freq_shift);
+  Tensor args = timesteps.to(torch::kFloat32).unsqueeze(1) * torch::exp(exponent).unsqueeze(0);
+  Tensor emb = flip_sin_to_cos ? torch::cat({torch::cos(args), torch::sin(args)}, -1)
+                               : torch::cat({torch::sin(args), torch::cos(args)}, -1);
+  if (dim % 2 == 1) emb = torch::constant_pad_nd(emb, {0, 1, 0, 0});
+  return emb;
+}
+
+/// diffusers' TimestepEmbedding: linear_1 -> SiLU -> linear_2.
+class TimestepEmbedding : public torch::nn::Module {
+ public:
+  TimestepEmbedding(std::int64_t in, std::int64_t dim, const ParamFactory& f) {
+    linear_1_ = register_module("linear_1", std::make_shared<Linear>(in, dim, true, f));
+    linear_2_ = register_module("linear_2", std::make_shared<Linear>(dim, dim, true, f));
+  }
+  Tensor forward(const Tensor& x) const { return linear_2_->forward(torch::silu(linear_1_->forward(x))); }
+
+ private:
+  std::shared_ptr<Linear> linear_1_, linear_2_;
+};
+
+// ---------------------------------------------------------------- resnet
+
+/// diffusers' ResnetBlock2D with time_embedding_norm "default": the projected
+/// time embedding is added between conv1 and norm2; a 1x1 conv_shortcut
+/// appears only when the channel count changes.
+class ResnetBlock2D : public torch::nn::Module {
+ public:
+  ResnetBlock2D(std::int64_t in, std::int64_t out, std::int64_t temb_channels, std::int64_t groups, double eps,
+                double output_scale_factor, const ParamFactory& f)
+      : output_scale_factor_(output_scale_factor) {
+    norm1_ = register_module("norm1", std::make_shared<GroupNorm>(groups, in, eps, f));
+    conv1_ = register_module("conv1", std::make_shared<Conv2d>(in, out, 3, 1, 1, f));
+    time_emb_proj_ = register_module("time_emb_proj", std::make_shared<Linear>(temb_channels, out, true, f));
+    norm2_ = register_module("norm2", std::make_shared<GroupNorm>(groups, out, eps, f));
+    conv2_ = register_module("conv2", std::make_shared<Conv2d>(out, out, 3, 1, 1, f));
+    if (in != out) conv_shortcut_ = register_module("conv_shortcut", std::make_shared<Conv2d>(in, out, 1, 1, 0, f));
+  }
+
+  Tensor forward(const Tensor& x, const Tensor& temb) const {
+    Tensor h = conv1_->forward(torch::silu(norm1_->forward(x)));
+    h = h + time_emb_proj_->forward(torch::silu(temb)).unsqueeze(-1).unsqueeze(-1);
+    h = conv2_->forward(torch::silu(norm2_->forward(h)));
+    Tensor shortcut = conv_shortcut_ ? conv_shortcut_->forward(x) : x;
+    Tensor out = shortcut + h;
+    // Division by 1.0 is exact; skip it to save a pass over the activations.
+    return output_scale_factor_ == 1.0 ? out : out / output_scale_factor_;
+  }
+
+ private:
+  double output_scale_factor_;
+  std::shared_ptr<GroupNorm> norm1_, norm2_;
+  std::shared_ptr<Conv2d> conv1_, conv2_, conv_shortcut_;
+  std::shared_ptr<Linear> time_emb_proj_;
+};
+
+// ---------------------------------------------------------------- attention
+
+Tensor multi_head_attention(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads, bool upcast) {
+  const std::int64_t batch = q.size(0), nq = q.size(1), nk = k.size(1), inner = q.size(2);
+  const std::int64_t head_dim = inner / heads;
+  const auto in_dtype = q.scalar_type();
+  const bool to_float = upcast && (in_dtype == torch::kHalf || in_dtype == torch::kBFloat16);
+  auto split = [&](const Tensor& t, std::int64_t n) {
+    Tensor s = t.view({batch, n, heads, head_dim}).transpose(1, 2);  // [B, H, N, D]
+    return to_float ? s.to(torch::kFloat32) : s;
+  };
+  Tensor qh = split(q, nq), kh = split(k, nk), vh = split(v, nk);
+#if TORCH_VERSION_MAJOR >= 2
+  // Fused kernels (flash / memory-efficient) on GPU; default scale is 1/sqrt(D).
+  Tensor out = at::scaled_dot_product_attention(qh, kh, vh);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  Tensor scores = torch::matmul(qh, kh.transpose(-1, -2)) * scale;
+  Tensor out = torch::matmul(torch::softmax(scores, -1), vh);
+#endif
+  out = out.transpose(1, 2).reshape({batch, nq, inner});
+  return to_float ? out.to(in_dtype) : out;
+}
+
+/// diffusers' Attention (as used by BasicTransformerBlock): bias-free q/k/v
+/// projections, output projection with bias at "to_out.0".
+class Attention : public torch::nn::Module {
+ public:
+  Attention(std::int64_t query_dim, std::int64_t context_dim, std::int64_t heads, bool upcast, const ParamFactory& f)
+      : heads_(heads), upcast_(upcast) {
+    to_q_ = register_module("to_q", std::make_shared<Linear>(query_dim, query_dim, false, f));
+    to_k_ = register_module("to_k", std::make_shared<Linear>(context_dim, query_dim, false, f));
+    to_v_ = register_module("to_v", std::make_shared<Linear>(context_dim, query_dim, false, f));
+    auto to_out = register_module("to_out", make_container());
+    to_out_0_ = to_out->register_module("0", std::make_shared<Linear>(query_dim, query_dim, true, f));
+  }
+  // context undefined = self-attention.
+  Tensor forward(const Tensor& x, const Tensor& context) const {
+    const Tensor& kv = context.defined() ? context : x;
+    Tensor out = multi_head_attention(to_q_->forward(x), to_k_->forward(kv), to_v_->forward(kv), heads_, upcast_);
+    return to_out_0_->forward(out);
+  }
+
+ private:
+  std::int64_t heads_;
+  bool upcast_;
+  std::shared_ptr<Linear> to_q_, to_k_, to_v_, to_out_0_;
+};
+
+/// diffusers' FeedForward with GEGLU: net.0.proj (dim -> 2*4*dim), value * gelu(gate), net.2 (4*dim -> dim).
+class FeedForward : public torch::nn::Module {
+ public:
+  FeedForward(std::int64_t dim, const ParamFactory& f) {
+    const std::int64_t inner = 4 * dim;
+    auto net = register_module("net", make_container());
+    auto geglu = net->register_module("0", make_container());
+    proj_ = geglu->register_module("proj", std::make_shared<Linear>(dim, 2 * inner, true, f));
+    // net.1 is diffusers' Dropout (no parameters).
+    out_ = net->register_module("2", std::make_shared<Linear>(inner, dim, true, f));
+  }
+  Tensor forward(const Tensor& x) const {
+    auto parts = proj_->forward(x).chunk(2, -1);
+    return out_->forward(parts[0] * torch::gelu(parts[1]));  // exact (erf) GELU, as F.gelu
+  }
+
+ private:
+  std::shared_ptr<Linear> proj_, out_;
+};
+
+/// diffusers' BasicTransformerBlock (layer_norm variant): self-attention,
+/// cross-attention, GEGLU feed-forward, each pre-normed and residual.
+class BasicTransformerBlock : public torch::nn::Module {
+ public:
+  BasicTransformerBlock(std::int64_t dim, std::int64_t heads, std::int64_t cross_dim, bool upcast,
+                        const ParamFactory& f) {
+    // BasicTransformerBlock's LayerNorms use diffusers' default norm_eps 1e-5,
+    // independent of the UNet's norm_eps.
+    norm1_ = register_module("norm1", std::make_shared<LayerNorm>(dim, 1e-5, f));
+    attn1_ = register_module("attn1", std::make_shared<Attention>(dim, dim, heads, upcast, f));
+    norm2_ = register_module("norm2", std::make_shared<LayerNorm>(dim, 1e-5, f));
+    attn2_ = register_module("attn2", std::make_shared<Attention>(dim, cross_dim, heads, upcast, f));
+    norm3_ = register_module("norm3", std::make_shared<LayerNorm>(dim, 1e-5, f));
+    ff_ = register_module("ff", std::make_shared<FeedForward>(dim, f));
+  }
+  Tensor forward(Tensor x, const Tensor& context) const {
+    x = attn1_->forward(norm1_->forward(x), Tensor()) + x;
+    x = attn2_->forward(norm2_->forward(x), context) + x;
+    return ff_->forward(norm3_->forward(x)) + x;
+  }
+
+ private:
+  std::shared_ptr<LayerNorm> norm1_, norm2_, norm3_;
+  std::shared_ptr<Attention> attn1_, attn2_;
+  std::shared_ptr<FeedForward> ff_;
+};
+
+/// diffusers' Transformer2DModel for continuous input: GroupNorm (eps 1e-6),
+/// proj_in (linear on tokens, or 1x1 conv), transformer blocks, proj_out, residual.
+class Transformer2DModel : public torch::nn::Module {
+ public:
+  Transformer2DModel(std::int64_t channels, std::int64_t heads, std::int64_t layers, std::int64_t cross_dim,
+                     std::int64_t groups, bool linear_projection, bool upcast, const ParamFactory& f)
+      : linear_projection_(linear_projection) {
+    norm_ = register_module("norm", std::make_shared<GroupNorm>(groups, channels, 1e-6, f));
+    if (linear_projection) {
+      proj_in_linear_ = register_module("proj_in", std::make_shared<Linear>(channels, channels, true, f));
+    } else {
+      proj_in_conv_ = register_module("proj_in", std::make_shared<Conv2d>(channels, channels, 1, 1, 0, f));
+    }
+    auto list = register_module("transformer_blocks", make_container());
+    for (std::int64_t i = 0; i < layers; ++i) {
+      blocks_.push_back(list->register_module(
+          std::to_string(i), std::make_shared<BasicTransformerBlock>(channels, heads, cross_dim, upcast, f)));
+    }
+    if (linear_projection) {
+      proj_out_linear_ = register_module("proj_out", std::make_shared<Linear>(channels, channels, true, f));
+    } else {
+      proj_out_conv_ = register_module("proj_out", std::make_shared<Conv2d>(channels, channels, 1, 1, 0, f));
+    }
+  }
+
+  Tensor forward(const Tensor& x, const Tensor& context) const {
+    const std::int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+    Tensor t = norm_->forward(x);
+    if (linear_projection_) {
+      t = proj_in_linear_->forward(t.permute({0, 2, 3, 1}).reshape({b, h * w, c}));
+    } else {
+      t = proj_in_conv_->forward(t).permute({0, 2, 3, 1}).reshape({b, h * w, c});
+    }
+    for (const auto& block : blocks_) t = block->forward(t, context);
+    if (linear_projection_) {
+      t = proj_out_linear_->forward(t).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous();
+    } else {
+      t = proj_out_conv_->forward(t.reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous());
+    }
+    return t + x;
+  }
+
+ private:
+  bool linear_projection_;
+  std::shared_ptr<GroupNorm> norm_;
+  std::shared_ptr<Linear> proj_in_linear_, proj_out_linear_;
+  std::shared_ptr<Conv2d> proj_in_conv_, proj_out_conv_;
+  std::vector<std::shared_ptr<BasicTransformerBlock>> blocks_;
+};
+
+// ---------------------------------------------------------------- down / mid / up blocks
+
+namespace {
+
+struct BlockCommon {
+  std::int64_t temb_channels;
+  std::int64_t groups;
+  double eps;
+  bool linear_projection;
+  bool upcast;
+};
+
+}  // namespace
+
+/// DownBlock2D and CrossAttnDownBlock2D: resnets (each followed by a
+/// Transformer2DModel when with_attention) and an optional stride-2 conv.
+class DownBlock : public torch::nn::Module {
+ public:
+  DownBlock(std::int64_t in, const LevelSpec& spec, bool with_attention, bool add_downsample, const BlockCommon& c,
+            const ParamFactory& f) {
+    // Attributes are registered in diffusers' order: attentions, resnets, downsamplers.
+    std::shared_ptr<torch::nn::Module> attentions = with_attention ? register_module("attentions", make_container())
+                                                                  : nullptr;
+    auto resnets = register_module("resnets", make_container());
+    for (std::int64_t i = 0; i < spec.num_layers; ++i) {
+      const std::string idx = std::to_string(i);
+      resnets_.push_back(resnets->register_module(
+          idx, std::make_shared<ResnetBlock2D>(i == 0 ? in : spec.channels, spec.channels, c.temb_channels,
+                                               c.groups, c.eps, 1.0, f)));
+      if (with_attention) {
+        attentions_.push_back(attentions->register_module(
+            idx, std::make_shared<Transformer2DModel>(spec.channels, spec.num_heads, spec.transformer_layers,
+                                                      spec.cross_attention_dim, c.groups, c.linear_projection,
+                                                      c.upcast, f)));
+      }
+    }
+    if (add_downsample) {
+      auto downsamplers = register_module("downsamplers", make_container());
+      auto op = downsamplers->register_module("0", make_container());  // diffusers' Downsample2D
+      downsample_ = op->register_module("conv", std::make_shared<Conv2d>(spec.channels, spec.channels, 3, 2, 1, f));
+    }
+  }
+
+  /// Returns the skip connections for the up path; the last one is the block's output.
+  variable_list forward(Tensor x, const Tensor& temb, const Tensor& context) const {
+    variable_list outputs;
+    for (std::size_t i = 0; i < resnets_.size(); ++i) {
+      x = resnets_[i]->forward(x, temb);
+      if (!attentions_.empty()) x = attentions_[i]->forward(x, context);
+      outputs.push_back(x);
+    }
+    if (downsample_) {
+      x = downsample_->forward(x);
+      outputs.push_back(x);
+    }
+    return outputs;
+  }
+
+ private:
+  std::vector<std::shared_ptr<ResnetBlock2D>> resnets_;
+  std::vector<std::shared_ptr<Transformer2DModel>> attentions_;
+  std::shared_ptr<Conv2d> downsample_;
+};
+
+/// UNetMidBlock2DCrossAttn: resnet, then (attention, resnet) per layer.
+class MidBlock : public torch::nn::Module {
+ public:
+  MidBlock(const LevelSpec& spec, double output_scale_factor, const BlockCommon& c, const ParamFactory& f) {
+    auto attentions = register_module("attentions", make_container());
+    auto resnets = register_module("resnets", make_container());
+    auto resnet = [&] {
+      return std::make_shared<ResnetBlock2D>(spec.channels, spec.channels, c.temb_channels, c.groups, c.eps,
+                                             output_scale_factor, f);
+    };
+    resnets_.push_back(resnets->register_module("0", resnet()));
+    for (std::int64_t i = 0; i < spec.num_layers; ++i) {
+      attentions_.push_back(attentions->register_module(
+          std::to_string(i), std::make_shared<Transformer2DModel>(spec.channels, spec.num_heads,
+                                                                  spec.transformer_layers, spec.cross_attention_dim,
+                                                                  c.groups, c.linear_projection, c.upcast, f)));
+      resnets_.push_back(resnets->register_module(std::to_string(i + 1), resnet()));
+    }
+  }
+
+  Tensor forward(Tensor x, const Tensor& temb, const Tensor& context) const {
+    x = resnets_[0]->forward(x, temb);
+    for (std::size_t i = 0; i < attentions_.size(); ++i) {
+      x = attentions_[i]->forward(x, context);
+      x = resnets_[i + 1]->forward(x, temb);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<std::shared_ptr<ResnetBlock2D>> resnets_;
+  std::vector<std::shared_ptr<Transformer2DModel>> attentions_;
+};
+
+/// UpBlock2D and CrossAttnUpBlock2D: each resnet takes the running features
+/// concatenated with one skip connection (consumed last-first), then optional
+/// attention; finally nearest x2 upsampling and a conv.
+class UpBlock : public torch::nn::Module {
+ public:
+  /// skip_channels[i]: channels of the skip connection resnet i consumes.
+  UpBlock(std::int64_t prev_channels, const std::vector<std::int64_t>& skip_channels, const LevelSpec& spec,
+          bool with_attention, bool add_upsample, const BlockCommon& c, const ParamFactory& f) {
+    std::shared_ptr<torch::nn::Module> attentions = with_attention ? register_module("attentions", make_container())
+                                                                  : nullptr;
+    auto resnets = register_module("resnets", make_container());
+    for (std::int64_t i = 0; i < spec.num_layers; ++i) {
+      const std::string idx = std::to_string(i);
+      const std::int64_t in = (i == 0 ? prev_channels : spec.channels) + skip_channels[i];
+      resnets_.push_back(resnets->register_module(
+          idx, std::make_shared<ResnetBlock2D>(in, spec.channels, c.temb_channels, c.groups, c.eps, 1.0, f)));
+      if (with_attention) {
+        attentions_.push_back(attentions->register_module(
+            idx, std::make_shared<Transformer2DModel>(spec.channels, spec.num_heads, spec.transformer_layers,
+                                                      spec.cross_attention_dim, c.groups, c.linear_projection,
+                                                      c.upcast, f)));
+      }
+    }
+    if (add_upsample) {
+      auto upsamplers = register_module("upsamplers", make_container());
+      auto up = upsamplers->register_module("0", make_container());  // diffusers' Upsample2D
+      upsample_conv_ = up->register_module("conv", std::make_shared<Conv2d>(spec.channels, spec.channels, 3, 1, 1, f));
+    }
+  }
+
+  std::size_t num_resnets() const { return resnets_.size(); }
+
+  /// skips: this block's skip connections in the order the down path made
+  /// them; consumed from the back. upsample_size: explicit output size when
+  /// the input size is not a multiple of 2^(levels-1); empty = x2.
+  Tensor forward(Tensor x, const variable_list& skips, const Tensor& temb, const Tensor& context,
+                 const std::vector<std::int64_t>& upsample_size) const {
+    for (std::size_t i = 0; i < resnets_.size(); ++i) {
+      x = torch::cat({x, skips[skips.size() - 1 - i]}, 1);
+      x = resnets_[i]->forward(x, temb);
+      if (!attentions_.empty()) x = attentions_[i]->forward(x, context);
+    }
+    if (upsample_conv_) {
+      namespace F = torch::nn::functional;
+      std::vector<std::int64_t> size =
+          upsample_size.empty() ? std::vector<std::int64_t>{2 * x.size(2), 2 * x.size(3)} : upsample_size;
+      x = F::interpolate(x, F::InterpolateFuncOptions().size(size).mode(torch::kNearest));
+      x = upsample_conv_->forward(x);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<std::shared_ptr<ResnetBlock2D>> resnets_;
+  std::vector<std::shared_ptr<Transformer2DModel>> attentions_;
+  std::shared_ptr<Conv2d> upsample_conv_;
+};
+
+// ---------------------------------------------------------------- checkpointing
+//
+// Reentrant checkpointing as torch.utils.checkpoint(use_reentrant=True) does
+// it: forward runs the block with grad mode off (autograd::Function::apply
+// does that) and saves only the inputs; backward re-runs the block with grad
+// mode on from detached copies of the inputs and back-propagates through the
+// recomputed graph, which accumulates the parameters' gradients directly and
+// yields the inputs' gradients to return.
+
+namespace {
+
+struct RecomputeClosure : torch::CustomClassHolder {
+  std::function<variable_list(const variable_list&)> fn;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<RecomputeClosure> closure,
+                               at::TensorList inputs) {
+    ctx->set_materialize_grads(false);
+    variable_list saved(inputs.begin(), inputs.end());
+    c10::List<bool> flags;
+    for (const Tensor& t : saved) flags.push_back(t.defined() && t.requires_grad());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["requires_grad"] = flags;
+    ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
+    variable_list outputs = closure->fn(saved);
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto closure = c10::static_intrusive_pointer_cast<RecomputeClosure>(ctx->saved_data["closure"].toCapsule());
+    c10::List<bool> flags = ctx->saved_data["requires_grad"].toBoolList();
+    variable_list saved = ctx->get_saved_variables();
+    variable_list inputs;
+    inputs.reserve(saved.size());
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      Tensor t = saved[i].defined() ? saved[i].detach() : Tensor();
+      if (t.defined()) t.requires_grad_(flags.get(i));
+      inputs.push_back(t);
+    }
+    variable_list outputs;
+    {
+      // The engine runs backward functions with grad mode off (unless create_graph).
+      torch::AutoGradMode enable_grad(true);
+      outputs = closure->fn(inputs);
+    }
+    variable_list roots, grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+      if (grad_outputs[i].defined() && outputs[i].defined() && outputs[i].requires_grad()) {
+        roots.push_back(outputs[i]);
+        grads.push_back(grad_outputs[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    variable_list result;
+    result.reserve(inputs.size() + 1);
+    result.emplace_back();  // the closure argument
+    for (const Tensor& t : inputs) result.push_back(t.defined() && t.requires_grad() ? t.grad() : Tensor());
+    return result;
+  }
+};
+
+}  // namespace
+
+variable_list checkpoint(std::function<variable_list(const variable_list&)> fn, const variable_list& inputs) {
+  if (!torch::GradMode::is_enabled()) return fn(inputs);
+  auto closure = c10::make_intrusive<RecomputeClosure>();
+  // The closure sees only the caller's inputs, not the dummy appended below.
+  closure->fn = [fn = std::move(fn)](const variable_list& all) {
+    return fn(variable_list(all.begin(), all.end() - 1));
+  };
+  // A requires-grad dummy input keeps the node in the graph even when no real
+  // input requires grad (e.g. a frozen stem), so parameter grads still flow.
+  variable_list all = inputs;
+  const torch::Device device = inputs.empty() || !inputs[0].defined() ? torch::Device(torch::kCPU) : inputs[0].device();
+  all.push_back(torch::empty({0}, torch::TensorOptions().device(device).requires_grad(true)));
+  variable_list outputs = CheckpointFunction::apply(closure, at::TensorList(all));
+  return outputs;
+}
+
+// ---------------------------------------------------------------- the model
+
+UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNetConfig config, UNetBuildOptions options)
+    : config_(std::move(config)), activation_checkpointing_(options.activation_checkpointing) {
+  config_.validate();
+  const UNetConfig& cfg = config_;
+  const ParamFactory f{options.tensor_options, options.initialize};
+  const std::size_t levels = cfg.num_levels();
+  const std::int64_t temb = cfg.time_embed_dim();
+  const BlockCommon common{temb, cfg.norm_num_groups, cfg.norm_eps, cfg.use_linear_projection, cfg.upcast_attention};
+
+  // Registration order = diffusers' state-dict order: conv_in, time_embedding,
+  // add_embedding, down_blocks, up_blocks, mid_block, conv_norm_out, conv_out.
+  const std::int64_t c0 = cfg.block_out_channels[0];
+  conv_in_ = register_module(
+      "conv_in", std::make_shared<Conv2d>(cfg.in_channels, c0, cfg.conv_in_kernel, 1, (cfg.conv_in_kernel - 1) / 2, f));
+  time_embedding_ = register_module("time_embedding", std::make_shared<TimestepEmbedding>(c0, temb, f));
+  if (cfg.addition_embed_text_time) {
+    add_embedding_ = register_module(
+        "add_embedding", std::make_shared<TimestepEmbedding>(cfg.projection_class_embeddings_input_dim, temb, f));
+  }
+
+  // Skip connections, in the order the down path produces them; the up path
+  // consumes them from the back.
+  std::vector<std::int64_t> skip_channels{c0};
+  auto down_list = register_module("down_blocks", make_container());
+  std::int64_t channels = c0;
+  for (std::size_t i = 0; i < levels; ++i) {
+    const LevelSpec spec = cfg.down_level(i);
+    const bool last = i + 1 == levels;
+    down_blocks_.push_back(down_list->register_module(
+        std::to_string(i),
+        std::make_shared<DownBlock>(channels, spec, cfg.down_block_types[i] == DownBlockType::kCrossAttnDown,
+                                    !last, common, f)));
+    for (std::int64_t l = 0; l < spec.num_layers + (last ? 0 : 1); ++l) skip_channels.push_back(spec.channels);
+    channels = spec.channels;
+  }
+
+  auto up_list = register_module("up_blocks", make_container());
+  for (std::size_t i = 0; i < levels; ++i) {
+    const LevelSpec spec = cfg.up_level(i);
+    const bool last = i + 1 == levels;
+    std::vector<std::int64_t> skips;  // consumption order: from the back of skip_channels
+    for (std::int64_t l = 0; l < spec.num_layers; ++l) {
+      ZERO_CHECK(!skip_channels.empty(), "UNet config: up block ", i, " needs more skip connections than the down "
+                 "path makes (layers_per_block mismatch)");
+      skips.push_back(skip_channels.back());
+      skip_channels.pop_back();
+    }
+    up_blocks_.push_back(up_list->register_module(
+        std::to_string(i),
+        std::make_shared<UpBlock>(channels, skips, spec, cfg.up_block_types[i] == UpBlockType::kCrossAttnUp, !last,
+                                  common, f)));
+    channels = spec.channels;
+  }
+
+  if (cfg.has_mid_block) {
+    mid_block_ = register_module("mid_block", std::make_shared<MidBlock>(cfg.mid_level(), cfg.mid_block_scale_factor,
+                                                                        common, f));
+  }
+  conv_norm_out_ = register_module("conv_norm_out", std::make_shared<GroupNorm>(cfg.norm_num_groups, c0,
+                                                                                cfg.norm_eps, f));
+  conv_out_ = register_module("conv_out", std::make_shared<Conv2d>(c0, cfg.out_channels, cfg.conv_out_kernel, 1,
+                                                                   (cfg.conv_out_kernel - 1) / 2, f));
+}
+
+Tensor UNet2DConditionModelImpl::time_embedding(const Tensor& sample, const Tensor& timestep,
+                                                const Tensor& text_embeds, const Tensor& time_ids) {
+  const UNetConfig& cfg = config_;
+  const std::int64_t batch = sample.size(0);
+  ZERO_CHECK(timestep.defined(), "UNet forward: timestep is required");
+  Tensor t = timestep.to(sample.device());
+  if (t.dim() == 0) t = t.unsqueeze(0);
+  ZERO_CHECK(t.dim() == 1 && (t.size(0) == batch || t.size(0) == 1), "UNet forward: timestep must have shape [",
+             batch, "], [1] or [], got ", t.sizes());
+  t = t.expand({batch});
+  // Sinusoidal features are float32 (as in diffusers), then cast to the model dtype.
+  Tensor t_emb = timestep_features(t, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+                     .to(sample.scalar_type());
+  Tensor emb = time_embedding_->forward(t_emb);
+
+  if (add_embedding_) {
+    ZERO_CHECK(text_embeds.defined() && time_ids.defined(),
+               "UNet forward: addition_embed_type \"text_time\" needs text_embeds and time_ids");
+    ZERO_CHECK(text_embeds.dim() == 2 && text_embeds.size(0) == batch, "UNet forward: text_embeds must be [", batch,
+               ", P], got ", text_embeds.sizes());
+    ZERO_CHECK(time_ids.dim() == 2 && time_ids.size(0) == batch, "UNet forward: time_ids must be [", batch,
+               ", K], got ", time_ids.sizes());
+    const std::int64_t width = text_embeds.size(1) + time_ids.size(1) * cfg.addition_time_embed_dim;
+    ZERO_CHECK(width == cfg.projection_class_embeddings_input_dim, "UNet forward: text_embeds width ",
+               text_embeds.size(1), " + time_ids count ", time_ids.size(1), " x addition_time_embed_dim ",
+               cfg.addition_time_embed_dim, " = ", width, ", but projection_class_embeddings_input_dim is ",
+               cfg.projection_class_embeddings_input_dim);
+    Tensor time_embeds =
+        timestep_features(time_ids.to(sample.device()).flatten(), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos,
+                          cfg.freq_shift)
+            .reshape({batch, -1});
+    // diffusers concatenates with type promotion (float32 at least) and then
+    // casts to the embedding's dtype; do the same.
+    Tensor text = text_embeds.to(sample.device());
+    const auto cat_dtype = c10::promoteTypes(text.scalar_type(), torch::kFloat32);
+    Tensor add_embeds = torch::cat({text.to(cat_dtype), time_embeds.to(cat_dtype)}, -1).to(emb.scalar_type());
+    emb = emb + add_embedding_->forward(add_embeds);
+  }
+  return emb;
+}
+
+Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& timestep,
+                                         const Tensor& encoder_hidden_states, const Tensor& text_embeds,
+                                         const Tensor& time_ids) {
+  const UNetConfig& cfg = config_;
+  ZERO_CHECK(sample_in.defined() && sample_in.dim() == 4 && sample_in.size(1) == cfg.in_channels,
+             "UNet forward: sample must be [B, ", cfg.in_channels, ", H, W], got ",
+             sample_in.defined() ? sample_in.sizes() : torch::IntArrayRef{});
+  ZERO_CHECK(encoder_hidden_states.defined() && encoder_hidden_states.dim() == 3 &&
+                 encoder_hidden_states.size(0) == sample_in.size(0),
+             "UNet forward: encoder_hidden_states must be [", sample_in.size(0), ", T, C], got ",
+             encoder_hidden_states.defined() ? encoder_hidden_states.sizes() : torch::IntArrayRef{});
+  for (std::size_t i = 0; i < cfg.num_levels(); ++i) {
+    ZERO_CHECK(encoder_hidden_states.size(2) == cfg.cross_attention_dim[i], "UNet forward: encoder_hidden_states has ",
+               encoder_hidden_states.size(2), " features, cross_attention_dim is ", cfg.cross_attention_dim[i]);
+  }
+
+  // When H or W is not a multiple of 2^(upsamplers), each upsampler targets
+  // the size of the skip connection it meets instead of doubling (diffusers).
+  const std::int64_t up_factor = std::int64_t{1} << (cfg.num_levels() - 1);
+  const bool forward_upsample_size = sample_in.size(2) % up_factor != 0 || sample_in.size(3) % up_factor != 0;
+
+  Tensor emb = time_embedding(sample_in, timestep, text_embeds, time_ids);
+  const Tensor& context = encoder_hidden_states;
+  Tensor sample = cfg.center_input_sample ? sample_in * 2.0 - 1.0 : sample_in;
+  sample = conv_in_->forward(sample);
+
+  const bool recompute = activation_checkpointing_ && torch::GradMode::is_enabled();
+  variable_list skips{sample};
+  for (const auto& block : down_blocks_) {
+    variable_list outs;
+    if (recompute) {
+      auto* raw = block.get();
+      outs = checkpoint([raw](const variable_list& in) { return raw->forward(in[0], in[1], in[2]); },
+                        {sample, emb, context});
+    } else {
+      outs = block->forward(sample, emb, context);
+    }
+    sample = outs.back();
+    skips.insert(skips.end(), outs.begin(), outs.end());
+  }
+
+  if (mid_block_) {
+    if (recompute) {
+      auto* raw = mid_block_.get();
+      sample = checkpoint([raw](const variable_list& in) { return variable_list{raw->forward(in[0], in[1], in[2])}; },
+                          {sample, emb, context})[0];
+    } else {
+      sample = mid_block_->forward(sample, emb, context);
+    }
+  }
+
+  for (std::size_t i = 0; i < up_blocks_.size(); ++i) {
+    const auto& block = up_blocks_[i];
+    const std::size_t n = block->num_resnets();
+    variable_list block_skips(skips.end() - static_cast<std::ptrdiff_t>(n), skips.end());
+    skips.resize(skips.size() - n);
+    std::vector<std::int64_t> upsample_size;
+    if (i + 1 < up_blocks_.size() && forward_upsample_size) {
+      upsample_size = {skips.back().size(2), skips.back().size(3)};
+    }
+    if (recompute) {
+      auto* raw = block.get();
+      variable_list in{sample, emb, context};
+      in.insert(in.end(), block_skips.begin(), block_skips.end());
+      sample = checkpoint(
+          [raw, upsample_size](const variable_list& args) {
+            variable_list s(args.begin() + 3, args.end());
+            return variable_list{raw->forward(args[0], s, args[1], args[2], upsample_size)};
+          },
+          in)[0];
+    } else {
+      sample = block->forward(sample, block_skips, emb, context, upsample_size);
+    }
+  }
+
+  sample = torch::silu(conv_norm_out_->forward(sample));
+  return conv_out_->forward(sample);
+}
+
+std::vector<ParameterUnit> UNet2DConditionModelImpl::units() const {
+  std::vector<ParameterUnit> units;
+  auto add = [&](std::string name, std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> parts) {
+    ParameterUnit unit;
+    unit.name = std::move(name);
+    for (auto& [prefix, module] : parts) {
+      unit.modules.push_back(module);
+      for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+        unit.parameters.emplace_back(prefix + "." + item.key(), item.value());
+      }
+    }
+    units.push_back(std::move(unit));
+  };
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> embed{{"conv_in", conv_in_},
+                                                                                {"time_embedding", time_embedding_}};
+  if (add_embedding_) embed.emplace_back("add_embedding", add_embedding_);
+  add("embed", std::move(embed));
+  for (std::size_t i = 0; i < down_blocks_.size(); ++i) {
+    const std::string name = "down_blocks." + std::to_string(i);
+    add(name, {{name, down_blocks_[i]}});
+  }
+  if (mid_block_) add("mid_block", {{"mid_block", mid_block_}});
+  for (std::size_t i = 0; i < up_blocks_.size(); ++i) {
+    const std::string name = "up_blocks." + std::to_string(i);
+    add(name, {{name, up_blocks_[i]}});
+  }
+  add("head", {{"conv_norm_out", conv_norm_out_}, {"conv_out", conv_out_}});
+  return units;
+}
+
+}  // namespace sdxl

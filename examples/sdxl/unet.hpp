@@ -1,0 +1,120 @@
+// UNet2DConditionModel: the SDXL denoising UNet as LibTorch modules whose
+// parameter names and shapes are exactly those of Hugging Face diffusers, so
+// diffusers checkpoints load without renaming and the numerics can be checked
+// against diffusers' reference output.
+//
+// Blocks (ResnetBlock2D, Transformer2DModel, the down/mid/up blocks, ...) are
+// defined in unet.cpp; this header exposes the model, its ZeRO stage-3 units
+// and the activation-checkpointing switch.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "unet_config.hpp"
+
+namespace sdxl {
+
+class TimestepEmbedding;
+class DownBlock;
+class MidBlock;
+class UpBlock;
+class Conv2d;
+class GroupNorm;
+
+/// How the model creates its parameters.
+struct UNetBuildOptions {
+  /// dtype and device of every parameter. The meta device builds the full
+  /// module tree (names, shapes) without allocating any storage.
+  torch::TensorOptions tensor_options = torch::TensorOptions().dtype(torch::kFloat32);
+  /// PyTorch's default initialisation (uniform +-1/sqrt(fan_in) for weights
+  /// and biases, ones/zeros for norms). Off leaves parameters uninitialised,
+  /// for when weights are loaded right after construction.
+  bool initialize = true;
+  /// Recompute each down/mid/up block in backward instead of keeping its
+  /// activations (see set_activation_checkpointing()).
+  bool activation_checkpointing = false;
+};
+
+/// A group of parameters that ZeRO stage 3 gathers and frees together.
+struct ParameterUnit {
+  std::string name;  // "embed", "down_blocks.0", ..., "mid_block", "up_blocks.0", ..., "head"
+  /// The top-level submodules that make up the unit, in execution order.
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  /// (full diffusers name, parameter) in state-dict order.
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;
+};
+
+class UNet2DConditionModelImpl : public torch::nn::Module {
+ public:
+  explicit UNet2DConditionModelImpl(UNetConfig config, UNetBuildOptions options = {});
+
+  /// Predicts the noise (or v) for `sample`.
+  ///   sample                 [B, in_channels, H, W], the model's dtype
+  ///   timestep               [B] or [] (broadcast), float or integer, any device
+  ///   encoder_hidden_states  [B, T, cross_attention_dim]
+  ///   text_embeds, time_ids  [B, P] and [B, 6]: SDXL's pooled text embedding
+  ///                          and (orig size, crop, target size); required when
+  ///                          addition_embed_type is "text_time", else ignored.
+  /// Returns [B, out_channels, H, W] in the model's dtype. Any H, W work;
+  /// multiples of 2^(levels-1) avoid diffusers' upsample-size fallback.
+  torch::Tensor forward(const torch::Tensor& sample, const torch::Tensor& timestep,
+                        const torch::Tensor& encoder_hidden_states, const torch::Tensor& text_embeds = {},
+                        const torch::Tensor& time_ids = {});
+
+  /// When on and grad mode is enabled, each down, mid and up block runs without
+  /// saving activations and is recomputed during backward (LibTorch has no
+  /// torch.utils.checkpoint; see unet.cpp). Gradients are unchanged.
+  void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
+  bool activation_checkpointing() const { return activation_checkpointing_; }
+
+  /// The stage-3 units in execution order: "embed" (conv_in, time_embedding,
+  /// add_embedding), each down block, the mid block, each up block, "head"
+  /// (conv_norm_out, conv_out). Every parameter is in exactly one unit.
+  std::vector<ParameterUnit> units() const;
+
+  const UNetConfig& config() const { return config_; }
+
+ private:
+  torch::Tensor time_embedding(const torch::Tensor& sample, const torch::Tensor& timestep,
+                               const torch::Tensor& text_embeds, const torch::Tensor& time_ids);
+
+  UNetConfig config_;
+  bool activation_checkpointing_ = false;
+
+  std::shared_ptr<Conv2d> conv_in_;
+  std::shared_ptr<TimestepEmbedding> time_embedding_;
+  std::shared_ptr<TimestepEmbedding> add_embedding_;  // null unless addition_embed_type == "text_time"
+  std::vector<std::shared_ptr<DownBlock>> down_blocks_;
+  std::vector<std::shared_ptr<UpBlock>> up_blocks_;
+  std::shared_ptr<MidBlock> mid_block_;  // null when mid_block_type is null
+  std::shared_ptr<GroupNorm> conv_norm_out_;
+  std::shared_ptr<Conv2d> conv_out_;
+};
+TORCH_MODULE(UNet2DConditionModel);
+
+/// Sinusoidal timestep features as diffusers' get_timestep_embedding(), always
+/// computed in float32 (as diffusers does): [N] -> [N, dim].
+torch::Tensor timestep_features(const torch::Tensor& timesteps, std::int64_t dim, bool flip_sin_to_cos,
+                                double downscale_freq_shift);
+
+/// Multi-head attention core: q [B, Nq, H*D], k and v [B, Nk, H*D] -> [B, Nq, H*D].
+/// Uses at::scaled_dot_product_attention on LibTorch 2, else softmax(QK^T/sqrt(D))V.
+/// `upcast` computes in float32 when the inputs are half precision.
+torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   std::int64_t heads, bool upcast);
+
+/// Runs `fn(inputs)` so that autograd keeps only `inputs` and recomputes fn in
+/// backward (reentrant checkpointing). Parameters used by fn receive their
+/// gradients during that recompute. fn must be deterministic (no dropout).
+/// Without grad mode this is a plain call.
+torch::autograd::variable_list checkpoint(
+    std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)> fn,
+    const torch::autograd::variable_list& inputs);
+
+}  // namespace sdxl

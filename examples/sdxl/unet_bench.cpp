@@ -1,0 +1,89 @@
+// unet_bench: times forward (and backward) of the full SDXL UNet with random
+// weights, to size batches and check activation checkpointing on a GPU.
+//
+//   unet_bench [--device cuda] [--dtype bf16] [--batch 1] [--latent 128] [--tokens 77]
+//              [--steps 5] [--warmup 2] [--backward] [--checkpointing]
+//
+// Prints the mean step time over --steps after --warmup untimed steps.
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <iostream>
+
+#include "unet.hpp"
+#include "zero/core/dtype.hpp"
+
+namespace {
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? -1 : device.index());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Forward/backward timing of the SDXL UNet with random weights"};
+  std::string device_name = "cuda", dtype_name = "bf16";
+  std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
+  bool backward = false, checkpointing = false;
+  app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--batch", batch, "images per step")->capture_default_str();
+  app.add_option("--latent", latent, "latent height and width (128 = 1024x1024 pixels)")->capture_default_str();
+  app.add_option("--tokens", tokens, "text tokens")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
+  app.add_flag("--backward", backward, "also run backward of a sum of the output");
+  app.add_flag("--checkpointing", checkpointing, "recompute each block in backward");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const torch::Device device(device_name);
+    const zero::DType dt = zero::parse_dtype(dtype_name, "--dtype");
+    const torch::ScalarType dtype = dt == zero::DType::fp32   ? torch::kFloat32
+                                    : dt == zero::DType::bf16 ? torch::kBFloat16
+                                                              : torch::kFloat16;
+    const auto opts = torch::TensorOptions().dtype(dtype).device(device);
+    sdxl::UNetBuildOptions build;
+    build.tensor_options = opts;
+    build.activation_checkpointing = checkpointing;
+    const auto t0 = std::chrono::steady_clock::now();
+    sdxl::UNet2DConditionModel model(sdxl::UNetConfig::sdxl_base(), build);
+    synchronize(device);
+    std::cout << "built SDXL UNet (" << model->parameters().size() << " tensors) in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+
+    torch::manual_seed(0);
+    const torch::Tensor sample = torch::randn({batch, 4, latent, latent}, opts);
+    const torch::Tensor timestep = torch::full({batch}, 500.0, opts.dtype(torch::kFloat32));
+    const torch::Tensor context = torch::randn({batch, tokens, 2048}, opts);
+    const torch::Tensor text_embeds = torch::randn({batch, 1280}, opts);
+    const torch::Tensor time_ids =
+        torch::tensor({1024.0f, 1024.0f, 0.0f, 0.0f, 1024.0f, 1024.0f}, opts.dtype(torch::kFloat32))
+            .repeat({batch, 1});
+
+    double total = 0;
+    for (std::int64_t step = 0; step < warmup + steps; ++step) {
+      synchronize(device);
+      const auto start = std::chrono::steady_clock::now();
+      if (backward) {
+        model->zero_grad();
+        model->forward(sample, timestep, context, text_embeds, time_ids).to(torch::kFloat32).sum().backward();
+      } else {
+        torch::NoGradGuard no_grad;
+        model->forward(sample, timestep, context, text_embeds, time_ids);
+      }
+      synchronize(device);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (step >= warmup) total += seconds;
+    }
+    std::cout << (backward ? "forward+backward" : "forward") << (checkpointing ? " (checkpointing)" : "")
+              << ", batch " << batch << ", latent " << latent << "x" << latent << ", " << dtype_name << " on "
+              << device << ": " << 1e3 * total / static_cast<double>(steps) << " ms/step\n";
+  } catch (const std::exception& e) {
+    std::cerr << "unet_bench: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -699,34 +699,42 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
   const std::int64_t up_factor = std::int64_t{1} << (cfg.num_levels() - 1);
   const bool forward_upsample_size = sample_in.size(2) % up_factor != 0 || sample_in.size(3) % up_factor != 0;
 
-  Tensor emb = time_embedding(sample_in, timestep, text_embeds, time_ids);
-  const Tensor& context = encoder_hidden_states;
-  Tensor sample = cfg.center_input_sample ? sample_in * 2.0 - 1.0 : sample_in;
-  sample = conv_in_->forward(sample);
-
+  // Every unit's computation goes through run(): plain, recomputed in
+  // backward (activation checkpointing), or, with a runner installed, wrapped
+  // by the caller (ZeRO stage 3 gathers the unit's parameters around it).
   const bool recompute = activation_checkpointing_ && torch::GradMode::is_enabled();
+  std::size_t unit = 0;
+  auto run = [&](bool checkpointed, const variable_list& inputs, const UnitBody& body) -> variable_list {
+    const std::size_t index = unit++;
+    if (unit_runner_) return unit_runner_(index, inputs, body, checkpointed);
+    if (checkpointed) return checkpoint(body, inputs);
+    return body(inputs);
+  };
+
+  // Unit "embed": time (and text-time) embedding and conv_in.
+  variable_list embedded = run(false, {sample_in}, [&](const variable_list& in) {
+    Tensor emb = time_embedding(in[0], timestep, text_embeds, time_ids);
+    Tensor s = cfg.center_input_sample ? in[0] * 2.0 - 1.0 : in[0];
+    return variable_list{emb, conv_in_->forward(s)};
+  });
+  const Tensor emb = embedded[0];
+  const Tensor& context = encoder_hidden_states;
+  Tensor sample = embedded[1];
+
   variable_list skips{sample};
   for (const auto& block : down_blocks_) {
-    variable_list outs;
-    if (recompute) {
-      auto* raw = block.get();
-      outs = checkpoint([raw](const variable_list& in) { return raw->forward(in[0], in[1], in[2]); },
-                        {sample, emb, context});
-    } else {
-      outs = block->forward(sample, emb, context);
-    }
+    auto* raw = block.get();
+    variable_list outs =
+        run(recompute, {sample, emb, context}, [raw](const variable_list& in) { return raw->forward(in[0], in[1], in[2]); });
     sample = outs.back();
     skips.insert(skips.end(), outs.begin(), outs.end());
   }
 
   if (mid_block_) {
-    if (recompute) {
-      auto* raw = mid_block_.get();
-      sample = checkpoint([raw](const variable_list& in) { return variable_list{raw->forward(in[0], in[1], in[2])}; },
-                          {sample, emb, context})[0];
-    } else {
-      sample = mid_block_->forward(sample, emb, context);
-    }
+    auto* raw = mid_block_.get();
+    sample = run(recompute, {sample, emb, context}, [raw](const variable_list& in) {
+      return variable_list{raw->forward(in[0], in[1], in[2])};
+    })[0];
   }
 
   for (std::size_t i = 0; i < up_blocks_.size(); ++i) {
@@ -738,23 +746,19 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
     if (i + 1 < up_blocks_.size() && forward_upsample_size) {
       upsample_size = {skips.back().size(2), skips.back().size(3)};
     }
-    if (recompute) {
-      auto* raw = block.get();
-      variable_list in{sample, emb, context};
-      in.insert(in.end(), block_skips.begin(), block_skips.end());
-      sample = checkpoint(
-          [raw, upsample_size](const variable_list& args) {
-            variable_list s(args.begin() + 3, args.end());
-            return variable_list{raw->forward(args[0], s, args[1], args[2], upsample_size)};
-          },
-          in)[0];
-    } else {
-      sample = block->forward(sample, block_skips, emb, context, upsample_size);
-    }
+    auto* raw = block.get();
+    variable_list in{sample, emb, context};
+    in.insert(in.end(), block_skips.begin(), block_skips.end());
+    sample = run(recompute, in, [raw, upsample_size](const variable_list& args) {
+      variable_list s(args.begin() + 3, args.end());
+      return variable_list{raw->forward(args[0], s, args[1], args[2], upsample_size)};
+    })[0];
   }
 
-  sample = torch::silu(conv_norm_out_->forward(sample));
-  return conv_out_->forward(sample);
+  // Unit "head".
+  return run(false, {sample}, [this](const variable_list& in) {
+    return variable_list{conv_out_->forward(torch::silu(conv_norm_out_->forward(in[0])))};
+  })[0];
 }
 
 std::vector<ParameterUnit> UNet2DConditionModelImpl::units() const {

@@ -73,6 +73,16 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
   bool activation_checkpointing() const { return activation_checkpointing_; }
 
+  /// Wraps each unit's computation (in units() order) during forward: the
+  /// runner gets the unit's index, its tensor inputs, the body to run and
+  /// whether activation checkpointing asks for recompute; it returns the
+  /// body's outputs. ZeRO stage 3 gathers parameters here (zero::adapter).
+  /// Unset: bodies run directly (or checkpointed).
+  using UnitBody = std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)>;
+  using UnitRunner = std::function<torch::autograd::variable_list(
+      std::size_t unit, const torch::autograd::variable_list& inputs, const UnitBody& body, bool recompute)>;
+  void set_unit_runner(UnitRunner runner) { unit_runner_ = std::move(runner); }
+
   /// The stage-3 units in execution order: "embed" (conv_in, time_embedding,
   /// add_embedding), each down block, the mid block, each up block, "head"
   /// (conv_norm_out, conv_out). Every parameter is in exactly one unit.
@@ -86,6 +96,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
   UNetConfig config_;
   bool activation_checkpointing_ = false;
+  UnitRunner unit_runner_;
 
   std::shared_ptr<Conv2d> conv_in_;
   std::shared_ptr<TimestepEmbedding> time_embedding_;

@@ -64,6 +64,7 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
       {"output", "keep_checkpoints", &c.keep_checkpoints, "checkpoints kept (older ones are deleted)"},
       {"output", "resume", &c.resume, "\"latest\" or a checkpoint folder to resume from"},
+      {"output", "stop_after", &c.stop_after, "save a checkpoint and stop after this step, to resume later (0: off)"},
       {"output", "export_single_file", &c.export_single_file, "also export the original single-file layout"},
       {"device", "device", &c.device, "cpu or cuda"},
   };
@@ -196,6 +197,7 @@ void TrainConfig::validate() const {
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
   ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);
   ZERO_CHECK(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got ", keep_checkpoints);
+  ZERO_CHECK(stop_after >= 0 && stop_after <= steps, "stop_after must be in [0, steps], got ", stop_after);
   one_of(device, {"cpu", "cuda"}, "device");
 }
 

@@ -50,6 +50,7 @@ struct TrainConfig {
   std::int64_t checkpoint_every = 0;   // 0: only at the end
   std::int64_t keep_checkpoints = 2;
   std::string resume;                  // "", "latest", or a checkpoint folder
+  std::int64_t stop_after = 0;         // save a checkpoint and stop after this step (0: run to the end)
   bool export_single_file = false;     // also write the original single-file layout
   // [device]
   std::string device = "cpu";          // cpu, cuda

@@ -1,0 +1,443 @@
+// train: full fine-tuning of the SDXL UNet on zero.
+//
+//   mpirun -np N train --config examples/sdxl/configs/tiny.toml [--key value ...]
+//
+// One story, top to bottom: configuration -> communicator and backend ->
+// UNet bound to the sharding engine -> data -> the DDPM training loop ->
+// metrics, checkpoints, export. Only rank 0 prints.
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "data/cached_dataset.hpp"
+#include "data/loader.hpp"
+#include "data/sampler.hpp"
+#include "data/synthetic.hpp"
+#include "diffusion.hpp"
+#include "metrics/jsonl_writer.hpp"
+#include "metrics/loss_plot.hpp"
+#include "metrics/progress.hpp"
+#include "metrics/tensorboard_writer.hpp"
+#include "train_config.hpp"
+#include "unet.hpp"
+#include "unet_io.hpp"
+#include "zero/comm/mpi_communicator.hpp"
+#include "zero/io/atomic_file.hpp"
+#include "zero/io/safetensors.hpp"
+#include "zero/torch/sharded_model.hpp"
+
+#if defined(ZERO_WITH_CUDA) && __has_include(<ATen/cuda/CUDAContext.h>)
+#define ZERO_TRAIN_CUDA 1
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
+#include "zero/comm/nccl_communicator.hpp"
+#include "zero/comm/staged_communicator.hpp"
+#include "zero/cuda/cuda_backend.hpp"
+#endif
+
+namespace fs = std::filesystem;
+using namespace sdxl;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ------------------------------------------------------------------ model config
+
+UNetConfig resolve_model_config(const std::string& name) {
+  if (name == "sdxl-base") return UNetConfig::sdxl_base();
+  if (name == "tiny") {
+    // The fixture's small UNet of the SDXL family (examples/sdxl/configs/tiny_unet.json).
+    return UNetConfig::from_json(R"({"sample_size": 32, "in_channels": 4, "out_channels": 4,
+      "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+      "block_out_channels": [32, 64], "layers_per_block": 2, "cross_attention_dim": 64, "attention_head_dim": [2, 4],
+      "use_linear_projection": true, "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
+      "projection_class_embeddings_input_dim": 80, "transformer_layers_per_block": [1, 2], "norm_num_groups": 32})");
+  }
+  return read_unet_config(name);
+}
+
+zero::DType dtype_of(const std::string& precision) { return zero::parse_dtype(precision, "precision"); }
+
+// ------------------------------------------------------------------ checkpoints
+// output_dir/checkpoints/step-00000100/{rank-00000.safetensors ..., manifest.json}.
+// The manifest is written last, atomically, by rank 0 after every rank has
+// finished its file: a folder without it is an interrupted save and ignored.
+
+fs::path checkpoint_dir(const TrainConfig& c, std::int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return fs::path(c.output_dir) / "checkpoints" / name;
+}
+
+std::string rank_file(int rank) {
+  char name[48];
+  std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
+  return name;
+}
+
+std::vector<std::pair<std::int64_t, fs::path>> complete_checkpoints(const TrainConfig& c) {
+  std::vector<std::pair<std::int64_t, fs::path>> found;
+  const fs::path root = fs::path(c.output_dir) / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return found;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || !fs::exists(entry.path() / "manifest.json")) continue;
+    found.emplace_back(std::stoll(name.substr(5)), entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+// std::filesystem::remove_all is avoided: pip's LibTorch exports old
+// filesystem symbols that make it crash (see examples/sdxl/README.md).
+void remove_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  fs::remove(dir / "manifest.json", ec);  // first: the folder stops counting as complete
+  for (const auto& entry : fs::directory_iterator(dir, ec)) fs::remove(entry.path(), ec);
+  fs::remove(dir, ec);
+}
+
+void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
+                     zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
+  const fs::path dir = checkpoint_dir(c, step);
+  if (comm.rank() == 0) {
+    fs::create_directories(dir);
+    std::error_code ec;
+    fs::remove(dir / "manifest.json", ec);
+  }
+  host.barrier();
+  std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
+  for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
+  model.engine().save_state((dir / rank_file(comm.rank())).string(), metadata);
+  host.barrier();
+  if (comm.rank() == 0) {
+    nlohmann::json files = nlohmann::json::array();
+    for (int r = 0; r < comm.size(); ++r)
+      files.push_back({{"file", rank_file(r)}, {"bytes", fs::file_size(dir / rank_file(r))}});
+    const nlohmann::json manifest = {{"format", "zero.sdxl.checkpoint"}, {"version", 1}, {"step", step},
+                                     {"world_size", comm.size()}, {"stage", c.stage}, {"files", files},
+                                     {"config", c.to_toml()}};
+    const std::string text = manifest.dump(2) + "\n";
+    zero::io::write_file_atomically(dir / "manifest.json",
+                                    std::as_bytes(std::span<const char>(text.data(), text.size())));
+    auto all = complete_checkpoints(c);
+    for (std::size_t i = 0; i + static_cast<std::size_t>(c.keep_checkpoints) < all.size(); ++i)
+      remove_checkpoint(all[i].second);
+  }
+  host.barrier();
+}
+
+struct Resumed {
+  std::int64_t step = 0;
+  std::optional<data::SamplerState> sampler;
+};
+
+Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm) {
+  if (c.resume.empty()) return {};
+  fs::path dir = c.resume;
+  if (c.resume == "latest") {
+    auto all = complete_checkpoints(c);
+    if (all.empty()) {
+      if (comm.rank() == 0) std::printf("resume: no complete checkpoint under %s; starting fresh\n", c.output_dir.c_str());
+      return {};
+    }
+    dir = all.back().second;
+  }
+  const fs::path manifest_path = dir / "manifest.json";
+  ZERO_CHECK(fs::exists(manifest_path), "resume: ", manifest_path.string(),
+             " is missing (an interrupted save, or not a checkpoint folder)");
+  std::ifstream in(manifest_path);
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    ZERO_THROW(zero::IoError, manifest_path.string(), ": not valid JSON: ", e.what());
+  }
+  ZERO_CHECK(manifest.value("world_size", -1) == comm.size(), "resume: ", manifest_path.string(), " was written by ",
+             manifest.value("world_size", -1), " ranks; this run has ", comm.size());
+  const fs::path shard = dir / rank_file(comm.rank());
+  model.engine().load_state(shard.string());
+  Resumed r;
+  r.step = manifest.value("step", std::int64_t{0});
+  const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);
+  r.sampler = data::SamplerState::from_metadata(file.metadata());
+  if (comm.rank() == 0) std::printf("resumed from %s at step %lld\n", dir.string().c_str(), static_cast<long long>(r.step));
+  return r;
+}
+
+// ------------------------------------------------------------------ export
+
+void export_weights(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                    const fs::path& where, const std::vector<std::string>& names) {
+  UNet2DConditionModel model(ucfg, UNetBuildOptions{.initialize = false});
+  std::map<std::string, torch::Tensor> by_name;
+  for (auto& item : model->named_parameters()) by_name[item.key()] = item.value();
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    torch::Tensor p = by_name.at(names[i]);
+    p.copy_(torch::from_blob(const_cast<float*>(weights[i].data()), p.sizes(), torch::kFloat32));
+  }
+  save_unet(*model, where);
+  if (c.export_single_file) save_unet(*model, fs::path(where.string() + ".safetensors"), std::nullopt,
+                                      CheckpointFormat::kOriginalSingleFile);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return zero::run_or_abort([&] {
+    zero::MpiSession session(&argc, &argv);
+    TrainConfig cfg;
+    if (!parse_train_config(argc, argv, cfg)) return 0;
+    zero::MpiCommunicator host_comm;
+    const int rank = host_comm.rank(), world = host_comm.size();
+    const bool leader = rank == 0;
+    at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / host_comm.local_size()));
+    if (leader) std::printf("zero SDXL trainer: %d ranks\n--- effective configuration ---\n%s---\n", world,
+                            cfg.to_toml().c_str());
+
+    // ---------------------------------------------------------------- device, communicator, backend
+    torch::Device device = torch::kCPU;
+    std::unique_ptr<zero::Communicator> device_comm;
+    std::unique_ptr<zero::Backend> backend;
+    if (cfg.device == "cuda") {
+#ifdef ZERO_TRAIN_CUDA
+      const int gpus = static_cast<int>(torch::cuda::device_count());
+      ZERO_CHECK(gpus > 0, "device = cuda but no GPU is visible");
+      const int index = host_comm.local_rank() % gpus;
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+      if (host_comm.local_size() <= gpus)
+        device_comm = std::make_unique<zero::NcclCommunicator>(host_comm.mpi_comm(), zero::NcclOptions{.device = index});
+      else
+        device_comm = std::make_unique<zero::StagedCommunicator>(host_comm);
+      backend = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
+#else
+      ZERO_THROW(zero::InvalidArgument, "device = cuda: this build has no CUDA (configure with the cuda preset)");
+#endif
+    } else {
+      backend = zero::make_host_backend();
+    }
+    zero::Communicator& comm = device_comm ? *device_comm : static_cast<zero::Communicator&>(host_comm);
+
+    // ---------------------------------------------------------------- model on the engine
+    const UNetConfig ucfg = resolve_model_config(cfg.model_config);
+    torch::manual_seed(static_cast<std::uint64_t>(cfg.seed));  // the same initial weights on every rank
+    UNet2DConditionModel model(ucfg);
+    if (!cfg.model_weights.empty()) load_unet_weights(*model, cfg.model_weights);
+    std::vector<zero::adapter::UnitSpec> units;
+    std::vector<std::string> names;
+    for (const ParameterUnit& u : model->units()) {
+      units.push_back({u.name, u.parameters});
+      for (auto& [n, t] : u.parameters) names.push_back(n);
+    }
+    zero::EngineOptions options;
+    options.stage = static_cast<int>(cfg.stage);
+    options.param_dtype = dtype_of(cfg.precision);
+    options.bucket_bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
+    options.accumulation_steps = static_cast<int>(cfg.accumulation);
+    options.accumulation = cfg.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
+                                                               : zero::GradAccumulation::reduce_each_micro_step;
+    options.max_grad_norm = cfg.max_grad_norm;
+    options.optimizer = {.kind = zero::parse_optimizer_kind(cfg.optimizer, "optimizer"), .lr = cfg.lr,
+                         .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
+                         .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
+    options.ema_decay = cfg.ema_decay;
+    options.max_consecutive_nonfinite = 20;
+    zero::adapter::ShardedModel sharded(std::move(units), options, comm, *backend);
+    model->set_activation_checkpointing(cfg.activation_checkpointing);
+    model->set_unit_runner([&sharded](std::size_t unit, const variable_list& inputs, const UNet2DConditionModelImpl::UnitBody& body,
+                                      bool recompute) { return sharded.run_unit(unit, inputs, body, recompute); });
+    const torch::ScalarType compute_type = zero::adapter::scalar_type_of(options.param_dtype);
+    if (leader) {
+      const auto m = sharded.engine().memory();
+      std::printf("UNet: %zu parameters in %zu units; stage %lld; model state per rank: %s\n",
+                  sharded.engine().layout().param_numel(), sharded.unit_count(), static_cast<long long>(cfg.stage),
+                  zero::format_memory(m).c_str());
+    }
+
+    // ---------------------------------------------------------------- data
+    const data::TextDims text{.sequence_length = cfg.text_length, .width = ucfg.cross_attention_dim.at(0),
+                              .pooled_width = ucfg.projection_class_embeddings_input_dim - 6 * ucfg.addition_time_embed_dim};
+    std::shared_ptr<const data::Dataset> dataset;
+    if (cfg.synthetic) {
+      dataset = std::make_shared<data::SyntheticDataset>(data::SyntheticOptions{
+          .num_samples = static_cast<std::size_t>(cfg.synthetic_samples), .seed = static_cast<std::uint64_t>(cfg.seed),
+          .latent_sizes = {{cfg.latent_size, cfg.latent_size}}, .text_dims = text});
+    } else {
+      dataset = data::CachedDataset::open(cfg.dataset);
+    }
+    data::check_text_dims(*dataset, text);
+    data::DistributedBucketSampler sampler(*dataset, {.batch_size = static_cast<std::size_t>(cfg.batch_size),
+                                                       .world_size = world,
+                                                       .rank = rank,
+                                                       .seed = static_cast<std::uint64_t>(cfg.seed)});
+    const Resumed resumed = maybe_resume(cfg, sharded, comm);
+    if (resumed.sampler) sampler.restore(*resumed.sampler);
+    data::PrefetchingLoader loader(dataset, std::move(sampler));
+
+    // ---------------------------------------------------------------- metrics (rank 0)
+    fs::create_directories(cfg.output_dir);
+    std::optional<metrics::JsonlWriter> jsonl;
+    std::optional<metrics::TensorBoardWriter> tensorboard;
+    if (leader) {
+      jsonl.emplace(fs::path(cfg.output_dir) / "metrics.jsonl");
+      jsonl->truncate_after(resumed.step);
+      tensorboard.emplace(fs::path(cfg.output_dir) / "tensorboard");
+      if (resumed.step > 0) tensorboard->add_session_start(resumed.step + 1);
+    }
+    metrics::ProgressLine progress;
+    metrics::Ema loss_ema(0.9);
+    const bool tty = leader && metrics::is_tty(stdout) && world == 1;
+
+    // ---------------------------------------------------------------- training loop
+    const NoiseSchedule schedule;
+    const Prediction prediction = parse_prediction(cfg.prediction);
+    const double lr_scale = cfg.scale_lr ? static_cast<double>(world * cfg.batch_size * cfg.accumulation) : 1.0;
+    const auto start = std::chrono::steady_clock::now();
+    auto tensor_of = [&](const std::vector<float>& v, c10::IntArrayRef shape) {
+      return torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32).to(device, compute_type);
+    };
+    data::SamplerState sampler_state = resumed.sampler.value_or(loader.state());
+    for (std::int64_t step = resumed.step; step < cfg.steps; ++step) {
+      const auto step_start = std::chrono::steady_clock::now();
+      const double lr = lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, cfg.steps);
+      sharded.engine().set_lr(lr);
+      double loss_sum = 0;
+      for (std::int64_t micro = 0; micro < cfg.accumulation; ++micro) {
+        data::Batch batch = loader.next();
+        sampler_state = batch.state_after;
+        torch::Tensor latents = tensor_of(batch.latents, batch.latents_shape);
+        torch::Tensor prompt = tensor_of(batch.prompt_embeds, batch.prompt_embeds_shape);
+        torch::Tensor pooled = tensor_of(batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
+        torch::Tensor time_ids = tensor_of(batch.time_ids, batch.time_ids_shape);
+        // Noise and timestep of each sample depend on (seed, step, micro-step,
+        // sample index) only: a resumed run draws what the uninterrupted one
+        // did, and any world size draws the same for the same global batch.
+        std::vector<torch::Tensor> noises, times;
+        for (std::size_t b = 0; b < batch.size(); ++b) {
+          torch::Generator generator = at::detail::createCPUGenerator(static_cast<std::uint64_t>(
+              cfg.seed * 1000003 + step * 7919 + micro * 131 + static_cast<std::int64_t>(batch.indices[b]) * 2654435761LL));
+          times.push_back(torch::randint(0, schedule.steps(), {1}, generator, torch::kLong));
+          noises.push_back(sample_noise(torch::empty({1, latents.size(1), latents.size(2), latents.size(3)}),
+                                        cfg.noise_offset, generator));
+        }
+        torch::Tensor timesteps = torch::cat(times);
+        torch::Tensor noise = torch::cat(noises).to(device, compute_type);
+        torch::Tensor noisy = schedule.add_noise(latents, noise, timesteps.to(device));
+        torch::Tensor target = schedule.target(prediction, latents, noise, timesteps.to(device));
+        torch::Tensor weights;
+        if (cfg.min_snr_gamma > 0) weights = schedule.min_snr_weights(prediction, timesteps, cfg.min_snr_gamma);
+        torch::Tensor out = model->forward(noisy, timesteps.to(device, torch::kFloat32), prompt, pooled, time_ids);
+        torch::Tensor loss = diffusion_loss(out, target, weights);
+        (loss * sharded.engine().loss_scale()).backward();
+        sharded.finish_micro_step();
+        loss_sum += loss.item<double>();
+      }
+      const zero::StepResult result = sharded.step();
+      double stats[2] = {loss_sum / static_cast<double>(cfg.accumulation), 0};
+      host_comm.all_reduce_host_f64(stats, 1, zero::ReduceOp::avg);
+      const double step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+      const double images_per_s = static_cast<double>(world * cfg.batch_size * cfg.accumulation) / step_seconds;
+      std::size_t mem = sharded.engine().peak_memory().total();
+#ifdef ZERO_TRAIN_CUDA
+      if (device.is_cuda()) {
+        std::size_t free = 0, total = 0;
+        cudaMemGetInfo(&free, &total);
+        mem = total - free;
+      }
+#endif
+      double mem_range[2] = {static_cast<double>(mem), static_cast<double>(mem)};
+      host_comm.all_reduce_host_f64(&mem_range[0], 1, zero::ReduceOp::max);
+      host_comm.all_reduce_host_f64(&mem_range[1], 1, zero::ReduceOp::min);
+      const double loss_value = stats[0];
+      loss_ema.update(loss_value);
+      const std::int64_t done = step + 1;
+      if (leader) {
+        metrics::StepRecord record;
+        record.step = done;
+        record.loss = loss_value;
+        record.lr = lr;
+        record.grad_norm = result.grad_norm;
+        record.images_per_s = images_per_s;
+        record.mem_max_bytes = static_cast<std::uint64_t>(mem_range[0]);
+        record.mem_min_bytes = static_cast<std::uint64_t>(mem_range[1]);
+        record.loss_scale = result.loss_scale;
+        record.skipped_steps = sharded.engine().steps_skipped();
+        record.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        jsonl->write(record);
+        tensorboard->add_scalars({{"train/loss", loss_value}, {"train/lr", lr}, {"train/grad_norm", result.grad_norm},
+                                  {"train/images_per_s", images_per_s}, {"train/mem_max_bytes", mem_range[0]}},
+                                 done);
+        if (done % cfg.log_every == 0 || done == cfg.steps) {
+          metrics::Progress p{.step = done, .total_steps = cfg.steps, .start_step = resumed.step, .loss = loss_value,
+                              .loss_ema = loss_ema.value(), .lr = lr, .images_per_s = images_per_s,
+                              .mem_max_bytes = static_cast<std::uint64_t>(mem_range[0]),
+                              .mem_min_bytes = static_cast<std::uint64_t>(mem_range[1]),
+                              .elapsed_s = *record.elapsed_s};
+          const std::string line = progress.render(p, tty ? metrics::terminal_width(stdout) : 0);
+          std::printf("%s\n", line.c_str());  // one line per interval: mpirun relays lines, not '\r'
+          std::fflush(stdout);
+        }
+      }
+      if (cfg.stop_after > 0 && done == cfg.stop_after && done < cfg.steps) {
+        save_checkpoint(cfg, done, sharded, comm, sampler_state, host_comm);
+        if (leader) std::printf("stopped after step %lld as asked; resume with --resume latest\n", static_cast<long long>(done));
+        return 0;
+      }
+      if (cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0 && done < cfg.steps)
+        save_checkpoint(cfg, done, sharded, comm, sampler_state, host_comm);
+    }
+    if (resumed.step < cfg.steps) save_checkpoint(cfg, cfg.steps, sharded, comm, sampler_state, host_comm);
+
+    // The trained model's prediction on fixed inputs, next to the export, so
+    // that anyone can check the exported UNet reproduces it (unet_forward).
+    {
+      torch::NoGradGuard no_grad;
+      torch::manual_seed(7);
+      const std::int64_t h = cfg.latent_size;
+      std::map<std::string, torch::Tensor> io = {
+          {"sample", torch::randn({2, 4, h, h})},
+          {"timestep", torch::tensor({999.0f, 250.0f})},
+          {"encoder_hidden_states", torch::randn({2, cfg.text_length, text.width})},
+          {"text_embeds", torch::randn({2, text.pooled_width})},
+          {"time_ids", torch::tensor({8.0f * h, 8.0f * h, 0.0f, 0.0f, 8.0f * h, 8.0f * h}).repeat({2, 1})}};
+      auto on = [&](const torch::Tensor& t) { return t.to(device, compute_type); };
+      torch::Tensor out = model->forward(on(io["sample"]), io["timestep"].to(device), on(io["encoder_hidden_states"]),
+                                         on(io["text_embeds"]), on(io["time_ids"]));
+      io["expected"] = out.to(torch::kCPU, torch::kFloat32);
+      if (leader) write_tensors(fs::path(cfg.output_dir) / "export_check.safetensors", io);
+    }
+
+    // ---------------------------------------------------------------- export
+    const auto weights = sharded.engine().gather_master_params();
+    const auto ema = cfg.ema_decay > 0 ? sharded.engine().gather_ema_params() : std::vector<std::vector<float>>{};
+    if (leader) {
+      export_weights(cfg, ucfg, weights, fs::path(cfg.output_dir) / "unet", names);
+      if (!ema.empty()) export_weights(cfg, ucfg, ema, fs::path(cfg.output_dir) / "unet_ema", names);
+      tensorboard->flush();
+      std::vector<std::int64_t> steps;
+      std::vector<double> losses;
+      for (const auto& row : metrics::JsonlWriter::read_all(fs::path(cfg.output_dir) / "metrics.jsonl")) {
+        if (!row.contains("loss") || row["loss"].is_null()) continue;
+        steps.push_back(row["step"].get<std::int64_t>());
+        losses.push_back(row["loss"].get<double>());
+      }
+      metrics::write_loss_svg(fs::path(cfg.output_dir) / "loss.svg", steps, losses,
+                              {.title = "SDXL UNet training loss", .x_label = "step", .y_label = "loss"});
+      std::printf("exported %s/unet%s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", cfg.output_dir.c_str(),
+                  ema.empty() ? "" : " and unet_ema", cfg.output_dir.c_str());
+    }
+    return 0;
+  });
+}

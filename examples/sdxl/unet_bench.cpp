@@ -9,10 +9,16 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <iostream>
 
 #include "unet.hpp"
 #include "zero/core/dtype.hpp"
+
+#if defined(ZERO_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#define UNET_BENCH_CUDA_STATS 1
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace {
 
@@ -27,6 +33,7 @@ int main(int argc, char** argv) {
   std::string device_name = "cuda", dtype_name = "bf16";
   std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
   bool backward = false, checkpointing = false;
+  std::string json_path;
   app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--batch", batch, "images per step")->capture_default_str();
@@ -36,6 +43,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_flag("--backward", backward, "also run backward of a sum of the output");
   app.add_flag("--checkpointing", checkpointing, "recompute each block in backward");
+  app.add_option("--json", json_path, "append one JSON line with the result to this file");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -63,6 +71,9 @@ int main(int argc, char** argv) {
         torch::tensor({1024.0f, 1024.0f, 0.0f, 0.0f, 1024.0f, 1024.0f}, opts.dtype(torch::kFloat32))
             .repeat({batch, 1});
 
+#ifdef UNET_BENCH_CUDA_STATS
+    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+#endif
     double total = 0;
     for (std::int64_t step = 0; step < warmup + steps; ++step) {
       synchronize(device);
@@ -78,9 +89,30 @@ int main(int argc, char** argv) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (step >= warmup) total += seconds;
     }
+    const double ms = 1e3 * total / static_cast<double>(steps);
+    double peak_gib = 0;
+#ifdef UNET_BENCH_CUDA_STATS
+    if (device.is_cuda()) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+      peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / (1u << 30);
+    }
+#endif
+    // 20.62 TFLOP per 1024x1024 image for forward+backward (DESIGN.md); the
+    // count scales with the latent area; forward alone is a third of it.
+    const double tflop = 20.62 * batch * (latent * latent) / (128.0 * 128.0) / (backward ? 1.0 : 3.0);
+    const double tflops = tflop / (ms / 1e3);
     std::cout << (backward ? "forward+backward" : "forward") << (checkpointing ? " (checkpointing)" : "")
               << ", batch " << batch << ", latent " << latent << "x" << latent << ", " << dtype_name << " on "
-              << device << ": " << 1e3 * total / static_cast<double>(steps) << " ms/step\n";
+              << device << ": " << ms << " ms/step, " << 1e3 * batch / ms << " images/s, " << tflops
+              << " TFLOP/s (MFU " << 100 * tflops / 989.0 << "% of 989), peak allocated " << peak_gib << " GiB\n";
+    if (!json_path.empty()) {
+      std::ofstream out(json_path, std::ios::app);
+      out << "{\"pass\": \"" << (backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
+          << (checkpointing ? "true" : "false") << ", \"batch\": " << batch << ", \"latent\": " << latent
+          << ", \"dtype\": \"" << dtype_name << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": "
+          << 1e3 * batch / ms << ", \"tflops\": " << tflops << ", \"mfu_vs_989\": " << tflops / 989.0
+          << ", \"peak_allocated_gib\": " << peak_gib << ", \"steps\": " << steps << "}\n";
+    }
   } catch (const std::exception& e) {
     std::cerr << "unet_bench: " << e.what() << "\n";
     return 1;

@@ -86,6 +86,24 @@ struct Engine::Impl {
   std::vector<std::byte*> bucket_buffer;    // transient per-bucket grad buffers
   std::deque<Pending> pending;
 
+  // Stages 1-2: the parameter all-gather of each bucket after a step, left
+  // in flight so that it overlaps the next forward; waited for per bucket on
+  // first use (gather_unit / param_data) or before anything else touches
+  // the parameters.
+  std::vector<WorkPtr> param_gathers;
+
+  void finish_param_gather(std::size_t b) {
+    if (!param_gathers[b]) return;
+    param_gathers[b]->wait();
+    param_gathers[b].reset();
+    Event done = backend.record_event(backend.comm_stream());
+    backend.stream_wait(backend.compute_stream(), done);
+    backend.release_event(done);
+  }
+  void finish_param_gathers() {
+    for (std::size_t b = 0; b < param_gathers.size(); ++b) finish_param_gather(b);
+  }
+
   // Stage 3 gathers.
   std::vector<std::byte*> unit_buffer;
   std::vector<int> unit_refs;
@@ -96,6 +114,7 @@ struct Engine::Impl {
 
   ~Impl() {
     pending.clear();  // Work destructors wait
+    param_gathers.clear();
     unit_work.clear();
     auto release_ptr = [&](void* p, std::size_t bytes) {
       if (p) backend.deallocate(p, bytes);
@@ -330,6 +349,7 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   m.unit_buffer.assign(buckets, nullptr);
   m.unit_refs.assign(buckets, 0);
   m.unit_work.resize(buckets);
+  m.param_gathers.resize(buckets);
 }
 
 Engine::~Engine() = default;
@@ -340,6 +360,7 @@ void Engine::set_param(std::size_t param, const float* host_values) {
   ZERO_CHECK(param < layout_.params().size(), "set_param: parameter index ", param, " of ",
              layout_.params().size());
   Impl& m = *impl_;
+  m.finish_param_gathers();
   const ParamSlot& slot = layout_.slots()[param];
   ZERO_CHECK(host_values != nullptr || slot.numel == 0, "set_param('", layout_.params()[param].name,
              "'): null values");
@@ -368,9 +389,12 @@ void Engine::set_param(std::size_t param, const float* host_values) {
 const void* Engine::param_data(std::size_t param) const {
   ZERO_CHECK(param < layout_.params().size(), "param_data: parameter index ", param, " of ",
              layout_.params().size());
-  const Impl& m = *impl_;
+  Impl& m = *impl_;
   const ParamSlot& slot = layout_.slots()[param];
-  if (m.stage < 3) return m.params_full + slot.offset * m.p_size;
+  if (m.stage < 3) {
+    m.finish_param_gather(slot.bucket);
+    return m.params_full + slot.offset * m.p_size;
+  }
   ZERO_CHECK(m.unit_refs[slot.bucket] > 0, "param_data('", layout_.params()[param].name,
              "'): its unit ", slot.bucket, " is not gathered (stage 3: call gather_unit first)");
   return m.unit_buffer[slot.bucket] + (slot.offset - layout_.buckets()[slot.bucket].offset) * m.p_size;
@@ -394,7 +418,10 @@ void Engine::prefetch_unit(std::size_t unit) {
 void Engine::gather_unit(std::size_t unit) {
   ZERO_CHECK(unit < unit_count(), "gather_unit: unit ", unit, " of ", unit_count());
   Impl& m = *impl_;
-  if (m.stage < 3) return;
+  if (m.stage < 3) {
+    m.finish_param_gather(unit);
+    return;
+  }
   prefetch_unit(unit);
   if (m.unit_work[unit]) {
     m.unit_work[unit]->wait();
@@ -482,6 +509,7 @@ StepResult Engine::step() {
   Backend& be = m.backend;
   const Stream compute = be.compute_stream();
   const auto& buckets = layout_.buckets();
+  m.finish_param_gathers();  // the optimizer is about to write the parameters
 
   // Global statistics of the reduced gradients, each rank over the slices it
   // owns, summed in rank order: the same bits at every stage.
@@ -572,15 +600,11 @@ StepResult Engine::step() {
         Event updated = be.record_event(compute);
         be.stream_wait(be.comm_stream(), updated);
         be.release_event(updated);
-        std::vector<WorkPtr> gathers;
+        // Left in flight: each bucket is waited for when first used.
         for (std::size_t b = 0; b < buckets.size(); ++b)
-          gathers.push_back(m.comm.all_gather(m.params_full + m.own_offset(b) * m.p_size,
-                                              m.params_full + buckets[b].offset * m.p_size,
-                                              buckets[b].shard_size, m.pdt, be.comm_stream()));
-        for (auto& g : gathers) g->wait();
-        Event done = be.record_event(be.comm_stream());
-        be.stream_wait(compute, done);
-        be.release_event(done);
+          m.param_gathers[b] = m.comm.all_gather(m.params_full + m.own_offset(b) * m.p_size,
+                                                 m.params_full + buckets[b].offset * m.p_size,
+                                                 buckets[b].shard_size, m.pdt, be.comm_stream());
       }
     }
   } else {
@@ -631,6 +655,7 @@ std::vector<std::vector<float>> Engine::gather_ema_params() {
 
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
   Impl& m = *impl_;
+  m.finish_param_gathers();
   Backend& be = m.backend;
   const std::size_t full = layout_.padded_numel();
   std::vector<float> host(full);
@@ -656,6 +681,7 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
 
 std::vector<std::vector<float>> Engine::gather_model_params() {
   Impl& m = *impl_;
+  m.finish_param_gathers();
   Backend& be = m.backend;
   const std::size_t full = layout_.padded_numel();
   std::vector<std::byte> raw(full * m.p_size);
@@ -739,6 +765,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
   Backend& be = m.backend;
   ZERO_CHECK(micro_step_ == 0, "save_state: in the middle of a step (", micro_step_,
              " micro-steps done); save between steps");
+  m.finish_param_gathers();
   be.synchronize(be.compute_stream());
   const std::size_t shard = layout_.shard_numel();
   auto collect = [&](auto slice_of) {
@@ -779,6 +806,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
 
 void Engine::load_state(const std::string& path) {
   Impl& m = *impl_;
+  m.finish_param_gathers();
   Backend& be = m.backend;
   const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
   auto it = file.metadata().find("zero.engine");

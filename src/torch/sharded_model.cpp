@@ -210,9 +210,8 @@ void ShardedModel::bind_unit(std::size_t u) {
 }
 
 void ShardedModel::gather(std::size_t u) {
-  if (engine_->options().stage < 3) return;
-  engine_->gather_unit(u);
-  bind_unit(u);
+  engine_->gather_unit(u);  // stages 1-2: waits for the unit's parameter all-gather of the last step
+  if (engine_->options().stage == 3) bind_unit(u);
 }
 
 void ShardedModel::release(std::size_t u) {
@@ -243,7 +242,10 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
     return RecomputeUnit::apply(this, static_cast<std::int64_t>(u), &recompute_bodies_.back(), anchor_,
                                 at::TensorList(inputs));
   }
-  if (engine_->options().stage < 3) return body(inputs);
+  if (engine_->options().stage < 3) {
+    gather(u);
+    return body(inputs);
+  }
   gather(u);
   if (u + 1 < units_.size()) engine_->prefetch_unit(u + 1);
   variable_list outputs = body(inputs);

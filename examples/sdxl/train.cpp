@@ -398,7 +398,8 @@ int main(int argc, char** argv) {
       if (cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0 && done < cfg.steps)
         save_checkpoint(cfg, done, sharded, comm, sampler_state, host_comm);
     }
-    if (resumed.step < cfg.steps) save_checkpoint(cfg, cfg.steps, sharded, comm, sampler_state, host_comm);
+    if (cfg.save_final && resumed.step < cfg.steps) save_checkpoint(cfg, cfg.steps, sharded, comm, sampler_state, host_comm);
+    if (!cfg.export_unet) return 0;
 
     // The trained model's prediction on fixed inputs, next to the export, so
     // that anyone can check the exported UNet reproduces it (unet_forward).

@@ -66,6 +66,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "resume", &c.resume, "\"latest\" or a checkpoint folder to resume from"},
       {"output", "stop_after", &c.stop_after, "save a checkpoint and stop after this step, to resume later (0: off)"},
       {"output", "export_single_file", &c.export_single_file, "also export the original single-file layout"},
+      {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
+      {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
       {"device", "device", &c.device, "cpu or cuda"},
   };
 }

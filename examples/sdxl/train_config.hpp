@@ -52,6 +52,8 @@ struct TrainConfig {
   std::string resume;                  // "", "latest", or a checkpoint folder
   std::int64_t stop_after = 0;         // save a checkpoint and stop after this step (0: run to the end)
   bool export_single_file = false;     // also write the original single-file layout
+  bool save_final = true;              // checkpoint after the last step
+  bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
   // [device]
   std::string device = "cpu";          // cpu, cuda
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: installs what is needed, builds, and runs
-# the engine demo under mpirun (2 ranks): sharded training at ZeRO stages
-# 0-3 with per-rank memory by category against the ZeRO formula.
+# the SDXL trainer on CPU ranks (mpirun -np 2) with examples/sdxl/configs/tiny.toml:
+# a small UNet of the SDXL family, synthetic data, ZeRO stage 2, 60 steps.
+# Extra arguments override the config (e.g. --stage 3 --steps 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install-deps.sh
-cmake --preset cpu
-cmake --build --preset cpu -j "$(nproc)" --target engine_demo
-mpirun --allow-run-as-root --oversubscribe -np "${RANKS:-2}" build/cpu/examples/engine_demo "$@"
+cmake --preset cpu-torch
+cmake --build --preset cpu-torch -j "$(nproc)" --target train unet_forward engine_demo
+mpirun --allow-run-as-root --oversubscribe -np "${RANKS:-2}" build/cpu-torch/examples/sdxl/train \
+  --config examples/sdxl/configs/tiny.toml "$@"

@@ -163,10 +163,20 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   } catch (const std::exception& e) {
     ZERO_THROW(zero::IoError, manifest_path.string(), ": not valid JSON: ", e.what());
   }
-  ZERO_CHECK(manifest.value("world_size", -1) == comm.size(), "resume: ", manifest_path.string(), " was written by ",
-             manifest.value("world_size", -1), " ranks; this run has ", comm.size());
-  const fs::path shard = dir / rank_file(comm.rank());
-  model.engine().load_state(shard.string());
+  const int old_world = manifest.value("world_size", -1);
+  ZERO_CHECK(old_world >= 1, "resume: ", manifest_path.string(), " has no valid world_size");
+  const fs::path shard = dir / rank_file(std::min(comm.rank(), old_world - 1));
+  if (old_world == comm.size()) {
+    model.engine().load_state((dir / rank_file(comm.rank())).string());
+  } else {
+    // Another number of ranks: every rank reads its new slices from the old shards.
+    std::vector<std::string> files;
+    for (int r = 0; r < old_world; ++r) files.push_back((dir / rank_file(r)).string());
+    model.engine().load_state_resharded(files);
+    if (comm.rank() == 0)
+      std::printf("resharded the checkpoint from %d to %d ranks (keep the global batch: batch_size x ranks)\n",
+                  old_world, comm.size());
+  }
   Resumed r;
   r.step = manifest.value("step", std::int64_t{0});
   const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);

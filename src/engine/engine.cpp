@@ -653,6 +653,13 @@ std::vector<std::vector<float>> Engine::gather_ema_params() {
   return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); });
 }
 
+std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
+  Impl& m = *impl_;
+  float* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;
+  ZERO_CHECK(base != nullptr, "gather_optimizer_state: the optimizer has no state tensor ", slot);
+  return gather_fp32_slices([&m, base](std::size_t b) -> const float* { return m.optimizer_slice(base, b); });
+}
+
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
   Impl& m = *impl_;
   m.finish_param_gathers();
@@ -804,20 +811,22 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
   io::write_safetensors(path, views, meta);
 }
 
-void Engine::load_state(const std::string& path) {
-  Impl& m = *impl_;
-  m.finish_param_gathers();
-  Backend& be = m.backend;
-  const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
+namespace {
+
+nlohmann::json shard_metadata(const io::SafeTensorsFile& file, const std::string& path) {
   auto it = file.metadata().find("zero.engine");
   if (it == file.metadata().end())
     ZERO_THROW(IoError, "checkpoint shard '", path, "': no 'zero.engine' metadata (not written by Engine::save_state)");
-  nlohmann::json state;
   try {
-    state = nlohmann::json::parse(it->second);
+    return nlohmann::json::parse(it->second);
   } catch (const std::exception& e) {
     ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata is not JSON: ", e.what());
   }
+}
+
+// The parameters and their bucketing must match; the world size and the
+// alignment may differ (resharding).
+void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const std::string& path) {
   auto expect = [&](const char* key, const nlohmann::json& want) {
     if (!state.contains(key) || state[key] != want)
       ZERO_THROW(IoError, "checkpoint shard '", path, "': ", key, " is ",
@@ -825,47 +834,130 @@ void Engine::load_state(const std::string& path) {
   };
   expect("format", kShardFormat);
   expect("version", kShardVersion);
-  expect("rank", rank_);
-  const nlohmann::json here = layout_json(layout_);
-  if (!state.contains("layout") || state["layout"]["world_size"] != here["world_size"])
-    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ",
-               state.contains("layout") ? state["layout"]["world_size"].dump() : std::string("?"),
-               " ranks; this run has ", world_, " (resuming at another world size is not supported yet)");
-  if (state["layout"] != here) {
-    std::string detail = "different parameters or bucketing";
-    const auto& theirs = state["layout"]["params"];
-    const auto& ours = here["params"];
-    if (theirs.size() != ours.size()) {
-      detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
-    } else {
-      for (std::size_t i = 0; i < ours.size(); ++i)
-        if (theirs[i] != ours[i]) {
-          detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
-                   ours[i].dump() + " here";
-          break;
-        }
-    }
-    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail);
+  if (!state.contains("layout") || !state["layout"].is_object())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no layout in its metadata");
+  const nlohmann::json& layout = state["layout"];
+  const auto& theirs = layout.value("params", nlohmann::json::array());
+  const auto& ours = here["params"];
+  std::string detail;
+  if (theirs.size() != ours.size()) {
+    detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
+  } else {
+    for (std::size_t i = 0; i < ours.size() && detail.empty(); ++i)
+      if (theirs[i] != ours[i])
+        detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
+                 ours[i].dump() + " here";
   }
-  expect("optimizer", std::string(name_of(options_.optimizer.kind)));
-  expect("state_slots", options_.optimizer.state_slots());
+  if (detail.empty() && layout.value("bucket_param_counts", nlohmann::json()) != here["bucket_param_counts"])
+    detail = "the parameters are grouped into other buckets/units";
+  if (!detail.empty()) ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail);
+}
 
+const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& path, const char* name, std::size_t count) {
+  const io::TensorInfo* info = file.find(name);
+  if (!info) return nullptr;
+  if (info->dtype != io::TensorDType::F32 || info->shape != std::vector<std::int64_t>{static_cast<std::int64_t>(count)})
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor '", name, "' should be F32 [", count, "]");
+  return reinterpret_cast<const float*>(file.data(*info).data());
+}
+
+}  // namespace
+
+void Engine::load_state(const std::string& path) {
+  const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
+  const nlohmann::json state = shard_metadata(file, path);
+  check_same_model(state, layout_json(layout_), path);
+  if (state["layout"].value("world_size", -1) != world_)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ", state["layout"].value("world_size", -1),
+               " ranks; this run has ", world_, ": resume with load_state_resharded and every rank's file");
+  if (state.value("rank", -1) != rank_)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': rank is ", state.value("rank", -1), ", this run has ", rank_);
   const std::size_t shard = layout_.shard_numel();
-  auto read = [&](const char* name) -> const float* {
-    const io::TensorInfo* info = file.find(name);
-    if (!info) return nullptr;
-    if (info->dtype != io::TensorDType::F32 || info->shape != std::vector<std::int64_t>{static_cast<std::int64_t>(shard)})
-      ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor '", name, "' should be F32 [", shard, "]");
-    return reinterpret_cast<const float*>(file.data(*info).data());
-  };
-  const float* master = read("master");
+  std::array<const float*, 4> tensors = {shard_tensor(file, path, "master", shard), shard_tensor(file, path, "state0", shard),
+                                         shard_tensor(file, path, "state1", shard), shard_tensor(file, path, "ema", shard)};
+  restore_state(tensors, state.dump(), path);
+}
+
+void Engine::load_state_resharded(const std::vector<std::string>& paths) {
+  ZERO_CHECK(!paths.empty(), "load_state_resharded: no checkpoint files");
+  std::vector<io::SafeTensorsFile> files;
+  for (const std::string& path : paths) files.push_back(io::SafeTensorsFile::open(path));
+  const nlohmann::json here = layout_json(layout_);
+  const nlohmann::json first = shard_metadata(files[0], paths[0]);
+  const int old_world = first["layout"].value("world_size", -1);
+  ZERO_CHECK(old_world == static_cast<int>(paths.size()), "load_state_resharded: the checkpoint was written by ",
+             old_world, " ranks but ", paths.size(), " files were given (", paths[0], ")");
+  for (std::size_t r = 0; r < files.size(); ++r) {
+    const nlohmann::json state = r == 0 ? first : shard_metadata(files[r], paths[r]);
+    check_same_model(state, here, paths[r]);
+    if (state.value("rank", -1) != static_cast<int>(r))
+      ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': rank is ", state.value("rank", -1), ", expected ", r,
+                 " (files must be given in rank order)");
+    if (state["layout"] != first["layout"] || state.value("step", -1) != first.value("step", -1))
+      ZERO_THROW(IoError, "checkpoint shard '", paths[r], "' does not belong with '", paths[0],
+                 "' (another layout or step)");
+  }
+  // The old placement of the same parameters.
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const Bucket& b : layout_.buckets()) {
+    groups.emplace_back(layout_.params().begin() + static_cast<std::ptrdiff_t>(next),
+                        layout_.params().begin() + static_cast<std::ptrdiff_t>(next + b.param_count));
+    next += b.param_count;
+  }
+  const FlatLayout old = FlatLayout::build_grouped(
+      groups, {.world_size = old_world, .alignment = first["layout"].value("alignment", std::size_t{1})});
+  ZERO_CHECK(old.padded_numel() == first["layout"].value("padded_numel", std::size_t{0}), "checkpoint shard '",
+             paths[0], "': its layout could not be rebuilt (padded size differs)");
+
+  // This rank's new slices, filled from whichever old ranks held those elements.
+  const std::size_t shard = layout_.shard_numel(), old_shard = old.shard_numel();
+  const char* names[4] = {"master", "state0", "state1", "ema"};
+  std::array<std::vector<float>, 4> hosts;
+  std::array<const float*, 4> pointers{};
+  for (int k = 0; k < 4; ++k) {
+    std::vector<const float*> sources;
+    for (std::size_t r = 0; r < files.size(); ++r) sources.push_back(shard_tensor(files[r], paths[r], names[k], old_shard));
+    if (std::find(sources.begin(), sources.end(), nullptr) != sources.end()) continue;  // absent in this checkpoint
+    hosts[k].assign(shard, 0.0f);
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+      const Bucket& nb = layout_.buckets()[b];
+      const Bucket& ob = old.buckets()[b];
+      const std::size_t lo = nb.offset + static_cast<std::size_t>(rank_) * nb.shard_size, hi = lo + nb.shard_size;
+      for (std::size_t p = nb.first_param; p < nb.first_param + nb.param_count; ++p) {
+        const ParamSlot& ns = layout_.slots()[p];
+        const std::size_t a = std::max(lo, ns.offset), c = std::min(hi, ns.offset + ns.numel);
+        for (std::size_t x = a; x < c;) {
+          // Old full position of element x, its old owner and place in that shard.
+          const std::size_t old_pos = old.slots()[p].offset + (x - ns.offset);
+          const std::size_t in_bucket = old_pos - ob.offset;
+          const std::size_t owner = in_bucket / ob.shard_size, within = in_bucket % ob.shard_size;
+          const std::size_t run = std::min(c - x, ob.shard_size - within);
+          std::copy_n(sources[owner] + ob.shard_offset + within, run, hosts[k].data() + nb.shard_offset + (x - lo));
+          x += run;
+        }
+      }
+    }
+    pointers[k] = hosts[k].data();
+  }
+  restore_state(pointers, first.dump(), paths[0]);
+}
+
+void Engine::restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json,
+                           const std::string& path) {
+  Impl& m = *impl_;
+  m.finish_param_gathers();
+  Backend& be = m.backend;
+  const nlohmann::json state = nlohmann::json::parse(state_json);
+  if (state.value("optimizer", std::string()) != name_of(options_.optimizer.kind) ||
+      state.value("state_slots", -1) != options_.optimizer.state_slots())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': optimizer is ", state.value("optimizer", nlohmann::json()).dump(),
+               " with ", state.value("state_slots", -1), " state tensors, this run has \"",
+               name_of(options_.optimizer.kind), "\" with ", options_.optimizer.state_slots());
+  const auto [master, state0, state1, ema] = tensors;
   if (!master) ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor 'master' is missing");
-  const float* state0 = read("state0");
-  const float* state1 = read("state1");
-  const float* ema = read("ema");
   if ((m.state0 && !state0) || (m.state1 && !state1))
     ZERO_THROW(IoError, "checkpoint shard '", path, "': optimizer state tensors are missing");
-
   be.synchronize(be.compute_stream());
   const auto& buckets = layout_.buckets();
   // Own slices first; stage 0 then gathers every rank's slices into its full buffers.

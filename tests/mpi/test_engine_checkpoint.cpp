@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -152,4 +153,88 @@ TEST_CASE("a shard of another model, rank or world size is refused, naming the f
   CHECK_THROWS_WITH_AS(with_sgd.load_state(path), doctest::Contains("optimizer is \"adamw\""), IoError);
   comm.barrier();
   std::filesystem::remove(path);
+}
+
+TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1 -> N)") {
+  MpiCommunicator comm;
+  const int n = comm.size();
+  if (n < 2) return;  // needs two world sizes within this run
+  auto backend = make_host_backend();
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "reshard" + std::to_string(static_cast<long>(pid));
+  const int small = n - 1;
+  const bool in_small = comm.rank() < small;
+  MPI_Comm sub_comm = MPI_COMM_NULL;
+  ZERO_CHECK_MPI(MPI_Comm_split(comm.mpi_comm(), in_small ? 0 : MPI_UNDEFINED, comm.rank(), &sub_comm));
+  auto files_of = [&](const std::string& which, int world) {
+    std::vector<std::string> files;
+    for (int r = 0; r < world; ++r) files.push_back(shard_path(tag + which, r));
+    return files;
+  };
+  struct Snapshot {
+    std::vector<std::vector<float>> master, ema, m, v;
+  };
+  auto snapshot = [](Engine& e) {
+    return Snapshot{e.gather_master_params(), e.gather_ema_params(), e.gather_optimizer_state(0),
+                    e.gather_optimizer_state(1)};
+  };
+  for (DType dtype : {DType::fp32, DType::bf16}) {
+    for (int stage : {1, 3}) {
+      CAPTURE(dtype);
+      CAPTURE(stage);
+      // N -> N-1, saved at one stage and alignment, resumed at another.
+      EngineOptions big_options = options(stage, dtype);
+      EngineOptions small_options = options(3 - stage + 1, dtype);  // 1 <-> 3
+      small_options.alignment_elements = 4;
+      Engine big(units(), big_options, comm, *backend);
+      init(big);
+      for (int s = 0; s < 3; ++s) train_step(big, s, comm.rank());
+      big.save_state(shard_path(tag + "big", comm.rank()));
+      const Snapshot want = snapshot(big);
+      comm.barrier();
+      if (in_small) {
+        MpiCommunicator sub(sub_comm);
+        Engine resumed(units(), small_options, sub, *backend);
+        resumed.load_state_resharded(files_of("big", n));
+        CHECK(resumed.steps_applied() == 3);
+        const Snapshot got = snapshot(resumed);
+        CHECK(got.master == want.master);
+        CHECK(got.ema == want.ema);
+        CHECK(got.m == want.m);
+        CHECK(got.v == want.v);
+        train_step(resumed, 3, sub.rank());  // and it trains on
+        // N-1 -> N: save from the small world for the next part.
+        resumed.save_state(shard_path(tag + "small", sub.rank()));
+      }
+      comm.barrier();
+      std::optional<Snapshot> saved_small;
+      if (in_small) {
+        MpiCommunicator sub(sub_comm);
+        Engine again(units(), small_options, sub, *backend);
+        again.load_state(shard_path(tag + "small", sub.rank()));
+        saved_small = snapshot(again);
+      }
+      Engine grown(units(), big_options, comm, *backend);
+      grown.load_state_resharded(files_of("small", small));
+      CHECK(grown.steps_applied() == 4);
+      const Snapshot got = snapshot(grown);
+      if (saved_small) {
+        CHECK(got.master == saved_small->master);
+        CHECK(got.ema == saved_small->ema);
+        CHECK(got.m == saved_small->m);
+        CHECK(got.v == saved_small->v);
+      }
+      comm.barrier();
+      if (comm.rank() == 0) {
+        for (const auto& f : files_of("big", n)) std::filesystem::remove(f);
+        for (const auto& f : files_of("small", small)) std::filesystem::remove(f);
+      }
+      comm.barrier();
+    }
+  }
+  if (sub_comm != MPI_COMM_NULL) MPI_Comm_free(&sub_comm);
+  // Wrong file count or order is a clear error.
+  Engine engine(units(), options(2, DType::bf16), comm, *backend);
+  CHECK_THROWS_WITH_AS(engine.load_state_resharded({}), doctest::Contains("no checkpoint files"), InvalidArgument);
 }

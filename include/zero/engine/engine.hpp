@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -161,6 +162,13 @@ class Engine {
   /// layout (any stage); the model parameters are recomputed from the master
   /// weights. Collective. Throws zero::IoError naming the file and the mismatch.
   void load_state(const std::string& path);
+  /// Restores a state saved at any world size (and any stage), given every
+  /// old rank's file in rank order: each rank reads the elements of its new
+  /// slices from whichever old shards hold them. The model must be the same
+  /// (names, sizes, units); padding and alignment may differ. Collective.
+  void load_state_resharded(const std::vector<std::string>& rank_files);
+  /// The optimizer state tensor `slot` (0 or 1) of every parameter (collective; tests).
+  std::vector<std::vector<float>> gather_optimizer_state(int slot);
 
   // ------------------------------------------------------------ memory
   /// Bytes held now, by category (communicator workspace in buffers).
@@ -173,6 +181,7 @@ class Engine {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  void restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json, const std::string& path);
   std::vector<std::vector<float>> gather_fp32_slices(const std::function<const float*(std::size_t)>& slice);
   Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend);
 

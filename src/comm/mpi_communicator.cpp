@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <exception>
 #include <cstring>
 #include <iostream>
+#include <thread>
 #include <vector>
 
 namespace zero {
@@ -79,6 +82,9 @@ MpiSession::MpiSession(int* argc, char*** argv) {
 }
 
 MpiSession::~MpiSession() {
+  // While an exception unwinds, MPI_Finalize (a collective) could wait forever
+  // for a rank that died or hung; leave MPI to run_or_abort's MPI_Abort.
+  if (std::uncaught_exceptions() > 0) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (owns_ && !finalized) MPI_Finalize();
@@ -88,13 +94,16 @@ MpiSession::~MpiSession() {
 
 class MpiWork final : public Work {
  public:
-  MpiWork(MpiCommunicator* owner, std::vector<std::byte> scratch)
-      : owner_(owner), scratch_(std::move(scratch)) {
+  MpiWork(MpiCommunicator* owner, std::vector<std::byte> scratch, const char* what = "collective")
+      : owner_(owner), scratch_(std::move(scratch)), what_(what) {
     owner_->track_workspace(static_cast<std::ptrdiff_t>(scratch_.size()));
   }
   ~MpiWork() override {
     try {
-      wait();
+      // After a timeout the communicator is broken: the process is on its
+      // way out (run_or_abort), and waiting on every other request would only
+      // delay that by one timeout each.
+      if (!owner_->broken()) wait();
     } catch (const std::exception& error) {
       std::cerr << "zero: a collective failed while its handle was destroyed: " << error.what()
                 << "\n";
@@ -109,7 +118,7 @@ class MpiWork final : public Work {
   void wait() override {
     if (done_) return;
     done_ = true;
-    ZERO_CHECK_MPI(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    owner_->wait_request(&request_, what_);
     if (finish_) finish_();
   }
   bool test() override {
@@ -124,12 +133,47 @@ class MpiWork final : public Work {
   std::vector<std::byte> scratch_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   std::function<void()> finish_;
+  const char* what_;
   bool done_ = false;
 };
 
 // ---------------------------------------------------------------- MpiCommunicator
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
+std::chrono::milliseconds MpiCommunicator::default_timeout() {
+  if (const char* text = std::getenv("ZERO_COMM_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double seconds = std::strtod(text, &end);
+    ZERO_CHECK(end != text && *end == '\0' && seconds > 0, "ZERO_COMM_TIMEOUT_S='", text,
+               "' must be a positive number of seconds");
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+  }
+  return std::chrono::seconds(60);
+}
+
+void MpiCommunicator::wait_request(MPI_Request* request, const char* what) const {
+  // Spin for the first millisecond (small collectives finish in
+  // microseconds), then poll every 200 us so a waiting rank leaves its core
+  // to others. A rank that died or stopped never completes the request: after
+  // the timeout this rank gives up loudly instead of waiting forever.
+  using clock = std::chrono::steady_clock;
+  ZERO_CHECK(!broken_, what, ": the communicator is broken by an earlier timeout");
+  const auto start = clock::now();
+  int flag = 0;
+  for (int spin = 0;; ++spin) {
+    ZERO_CHECK_MPI(MPI_Test(request, &flag, MPI_STATUS_IGNORE));
+    if (flag) return;
+    const auto waited = clock::now() - start;
+    if (waited > timeout_) {
+      broken_ = true;
+      ZERO_THROW(CommError, what, " did not complete within ", timeout_.count() / 1000.0,
+                 " s: another rank died, hung or is far behind (set ZERO_COMM_TIMEOUT_S to wait longer)");
+    }
+    if (waited > std::chrono::milliseconds(1)) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout) {
+  ZERO_CHECK(timeout.count() > 0, "MpiCommunicator: timeout must be positive");
   int initialized = 0;
   ZERO_CHECK_MPI(MPI_Initialized(&initialized));
   ZERO_CHECK(initialized, "MpiCommunicator: MPI is not initialized (create a zero::MpiSession first)");
@@ -146,7 +190,9 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) return;
+  // Freeing a communicator with requests still pending (after a timeout, or
+  // while an exception unwinds) can block; the process is ending anyway.
+  if (finalized || broken_ || std::uncaught_exceptions() > 0) return;
   if (node_comm_ != MPI_COMM_NULL) MPI_Comm_free(&node_comm_);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
@@ -166,7 +212,7 @@ WorkPtr MpiCommunicator::reduce_scatter(const void* send, void* recv, std::size_
     return std::make_unique<CompletedWork>();
   }
   const int n = checked_count(count, "reduce_scatter");
-  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(count * element * size_));
+  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(count * element * size_), "reduce_scatter");
   const MPI_Datatype type = mpi_type_of(dtype);
   ZERO_CHECK_MPI(MPI_Ialltoall(send, n, type, work->scratch(), n, type, comm_, work->request()));
   std::byte* stacked = work->scratch();
@@ -186,7 +232,7 @@ WorkPtr MpiCommunicator::all_gather(const void* send, void* recv, std::size_t co
     return std::make_unique<CompletedWork>();
   }
   const int n = checked_count(count, "all_gather");
-  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>());
+  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(), "all_gather");
   const void* source = send == own_slot ? MPI_IN_PLACE : send;
   ZERO_CHECK_MPI(MPI_Iallgather(source, n, mpi_type_of(dtype), recv, n, mpi_type_of(dtype), comm_,
                                 work->request()));
@@ -202,7 +248,7 @@ WorkPtr MpiCommunicator::all_reduce(void* buffer, std::size_t count, DType dtype
   // Gather everything, reduce in rank order: deterministic and identical on
   // every rank. Costs N x the data of a ring all-reduce, which is fine for the
   // small buffers the engine all-reduces (norms, flags, losses).
-  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(count * size_of(dtype) * size_));
+  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(count * size_of(dtype) * size_), "all_reduce");
   ZERO_CHECK_MPI(MPI_Iallgather(buffer, static_cast<int>(count), mpi_type_of(dtype), work->scratch(),
                                 static_cast<int>(count), mpi_type_of(dtype), comm_, work->request()));
   std::byte* stacked = work->scratch();
@@ -215,19 +261,25 @@ WorkPtr MpiCommunicator::broadcast(void* buffer, std::size_t count, DType dtype,
   check_dtype(dtype, "broadcast");
   ZERO_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " outside [0, ", size_, ")");
   if (size_ == 1 || count == 0) return std::make_unique<CompletedWork>();
-  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>());
+  auto work = std::make_unique<MpiWork>(this, std::vector<std::byte>(), "broadcast");
   ZERO_CHECK_MPI(MPI_Ibcast(buffer, checked_count(count, "broadcast"), mpi_type_of(dtype), root, comm_,
                             work->request()));
   return work;
 }
 
-void MpiCommunicator::barrier() { ZERO_CHECK_MPI(MPI_Barrier(comm_)); }
+void MpiCommunicator::barrier() {
+  MPI_Request request = MPI_REQUEST_NULL;
+  ZERO_CHECK_MPI(MPI_Ibarrier(comm_, &request));
+  wait_request(&request, "barrier");
+}
 
 void MpiCommunicator::all_reduce_host_f64(double* values, std::size_t count, ReduceOp op) {
   if (size_ == 1 || count == 0) return;
   std::vector<double> stacked(count * static_cast<std::size_t>(size_));
-  ZERO_CHECK_MPI(MPI_Allgather(values, checked_count(count, "all_reduce_host_f64"), MPI_DOUBLE,
-                               stacked.data(), static_cast<int>(count), MPI_DOUBLE, comm_));
+  MPI_Request request = MPI_REQUEST_NULL;
+  ZERO_CHECK_MPI(MPI_Iallgather(values, checked_count(count, "all_reduce_host_f64"), MPI_DOUBLE, stacked.data(),
+                                static_cast<int>(count), MPI_DOUBLE, comm_, &request));
+  wait_request(&request, "all_reduce_host_f64");
   for (std::size_t i = 0; i < count; ++i) {
     double acc = stacked[i];
     for (int r = 1; r < size_; ++r) {

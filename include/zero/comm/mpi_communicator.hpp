@@ -6,6 +6,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -43,7 +44,20 @@ class MpiCommunicator final : public Communicator {
  public:
   /// Duplicates `comm` (the caller keeps its own) and makes MPI errors return
   /// codes so that they become zero::CommError instead of aborting.
-  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  ///
+  /// `timeout`: how long any one collective may take before it is declared
+  /// hung (a dead or stopped rank) and zero::CommError is thrown; under
+  /// run_or_abort that ends every rank. Default: ZERO_COMM_TIMEOUT_S from the
+  /// environment, else 60 s. Raise it where a step legitimately waits longer
+  /// (slow checkpoint disks).
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD, std::chrono::milliseconds timeout = default_timeout());
+  static std::chrono::milliseconds default_timeout();
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Waits for a request with the communicator's timeout (spins briefly,
+  /// then polls); throws zero::CommError naming `what` when it expires.
+  void wait_request(MPI_Request* request, const char* what) const;
+  /// True once a collective has timed out; every later wait throws at once.
+  bool broken() const { return broken_; }
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -74,6 +88,8 @@ class MpiCommunicator final : public Communicator {
   friend class MpiWork;
   void track_workspace(std::ptrdiff_t delta);
 
+  std::chrono::milliseconds timeout_;
+  mutable bool broken_ = false;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm node_comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what is needed, builds every CPU target, runs
 # every test (unit, MPI at several world sizes, install, io, SDXL on CPU),
+# runs the CPU tests again under ASan+UBSan,
 # and compiles and links the CUDA build where nvcc is present (it cannot run
 # without a GPU; GPU tests are labelled `gpu` and run on the GPU machine).
 set -euo pipefail
@@ -12,6 +13,13 @@ jobs=$(nproc)
 cmake --preset cpu-torch
 cmake --build --preset cpu-torch -j "$jobs"
 ctest --preset cpu-torch -j 1 --timeout 1200
+
+echo "== The CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer =="
+# Leak checking is off: Open MPI's own allocations at exit are reported as leaks.
+# The fault test (kill -9 / hang) is left out: it is about signals, not memory.
+cmake --preset sanitize
+cmake --build --preset sanitize -j "$jobs"
+ctest --preset sanitize -j 1 --timeout 1200
 
 if [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "== CUDA build (compile and link only: no GPU here) =="

@@ -352,7 +352,8 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   m.param_gathers.resize(buckets);
 }
 
-Engine::~Engine() = default;
+// Impl refers to layout_ and options_: it must go before they do.
+Engine::~Engine() { impl_.reset(); }
 
 // ---------------------------------------------------------------- parameters
 

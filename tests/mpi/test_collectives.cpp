@@ -91,7 +91,7 @@ TEST_CASE("all_gather, all_reduce and broadcast equal the naive reference") {
         std::vector<std::byte> mine = rank_data(me, count, dtype, salt);
         const void* send = mine.data();
         if (in_place) {
-          std::memcpy(recv.data() + static_cast<std::size_t>(me) * bytes, mine.data(), bytes);
+          if (bytes > 0) std::memcpy(recv.data() + static_cast<std::size_t>(me) * bytes, mine.data(), bytes);
           send = recv.data() + static_cast<std::size_t>(me) * bytes;
         }
         comm.all_gather(send, recv.data(), count, dtype)->wait();

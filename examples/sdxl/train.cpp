@@ -98,6 +98,38 @@ std::vector<std::pair<std::int64_t, fs::path>> complete_checkpoints(const TrainC
   return found;
 }
 
+// CRC32C of a whole file, read in 4 MiB pieces.
+std::uint32_t file_crc32c(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  ZERO_CHECK(in.good(), "cannot read ", path.string());
+  std::vector<char> buffer(std::size_t{4} << 20);
+  std::uint32_t crc = 0;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const auto got = static_cast<std::size_t>(in.gcount());
+    if (got == 0) break;
+    crc = metrics::crc32c(std::as_bytes(std::span<const char>(buffer.data(), got)), crc);
+  }
+  return crc;
+}
+
+// Size and checksum of a checkpoint file against its manifest entry.
+void verify_checkpoint_file(const fs::path& dir, const nlohmann::json& manifest, int rank) {
+  const fs::path file = dir / rank_file(rank);
+  const auto& files = manifest.at("files");
+  ZERO_CHECK(rank < static_cast<int>(files.size()), dir.string(), "/manifest.json lists ", files.size(),
+             " files; rank ", rank, "'s is missing");
+  const auto& entry = files[static_cast<std::size_t>(rank)];
+  std::error_code ec;
+  const auto size = fs::file_size(file, ec);
+  if (ec) ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " is missing (", ec.message(), ")");
+  if (size != entry.value("bytes", std::uint64_t{0}))
+    ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " has ", size, " bytes, the manifest says ",
+               entry.value("bytes", std::uint64_t{0}), " (truncated or replaced)");
+  if (entry.contains("crc32c") && file_crc32c(file) != entry["crc32c"].get<std::uint32_t>())
+    ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " is corrupted: its CRC32C does not match the manifest");
+}
+
 // std::filesystem::remove_all is avoided: pip's LibTorch exports old
 // filesystem symbols that make it crash (see examples/sdxl/README.md).
 void remove_checkpoint(const fs::path& dir) {
@@ -119,11 +151,16 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
   std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
   for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
   model.engine().save_state((dir / rank_file(comm.rank())).string(), metadata);
+  // Every rank checksums its own file; rank 0 lists them all in the manifest.
+  std::uint32_t crc = file_crc32c(dir / rank_file(comm.rank()));
+  std::vector<std::uint32_t> crcs(static_cast<std::size_t>(comm.size()));
+  ZERO_CHECK_MPI(MPI_Gather(&crc, 1, MPI_UINT32_T, crcs.data(), 1, MPI_UINT32_T, 0, host.mpi_comm()));
   host.barrier();
   if (comm.rank() == 0) {
     nlohmann::json files = nlohmann::json::array();
     for (int r = 0; r < comm.size(); ++r)
-      files.push_back({{"file", rank_file(r)}, {"bytes", fs::file_size(dir / rank_file(r))}});
+      files.push_back({{"file", rank_file(r)}, {"bytes", fs::file_size(dir / rank_file(r))},
+                       {"crc32c", crcs[static_cast<std::size_t>(r)]}});
     const nlohmann::json manifest = {{"format", "zero.sdxl.checkpoint"}, {"version", 1}, {"step", step},
                                      {"world_size", comm.size()}, {"stage", c.stage}, {"files", files},
                                      {"config", c.to_toml()}};
@@ -167,11 +204,15 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   ZERO_CHECK(old_world >= 1, "resume: ", manifest_path.string(), " has no valid world_size");
   const fs::path shard = dir / rank_file(std::min(comm.rank(), old_world - 1));
   if (old_world == comm.size()) {
+    verify_checkpoint_file(dir, manifest, comm.rank());
     model.engine().load_state((dir / rank_file(comm.rank())).string());
   } else {
     // Another number of ranks: every rank reads its new slices from the old shards.
     std::vector<std::string> files;
-    for (int r = 0; r < old_world; ++r) files.push_back((dir / rank_file(r)).string());
+    for (int r = 0; r < old_world; ++r) {
+      verify_checkpoint_file(dir, manifest, r);
+      files.push_back((dir / rank_file(r)).string());
+    }
     model.engine().load_state_resharded(files);
     if (comm.rank() == 0)
       std::printf("resharded the checkpoint from %d to %d ranks (keep the global batch: batch_size x ranks)\n",

@@ -9,7 +9,8 @@
 3. N=1 with the same global batch: the trajectory agrees with N=2 within a
    stated tolerance (only the order of gradient sums differs).
 4. Stopped after 15 steps and resumed: steps 16..30 equal the uninterrupted run;
-   resumed at N=1 and another stage from a 2-rank checkpoint: within 1e-4.
+   resumed at N=1 and another stage from a 2-rank checkpoint: within 1e-4;
+   a corrupted or truncated shard is refused, naming the file.
 5. The exported UNet, loaded by unet_forward, reproduces the trained model's
    output (export_check.safetensors).
 """
@@ -52,6 +53,15 @@ def resume(name, ranks, *overrides, fresh=False):
         print(result.stdout[-4000:], result.stderr[-4000:])
         raise SystemExit(f"train failed ({result.returncode})")
     return losses(out)
+
+
+def run_expecting_failure(name, ranks, *overrides):
+    out = os.path.join(WORK, name)
+    cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, TRAIN, "--config", CONFIG, "--output_dir", out,
+           "--steps", str(STEPS), "--synthetic_samples", "128", "--log_every", "10", "--checkpoint_every", "0",
+           *overrides]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return result.returncode, result.stdout + result.stderr
 
 
 def losses(out):
@@ -103,6 +113,23 @@ e = resume("resharded", 1, "--stage", "2", "--batch_size", "8", "--resume", "lat
 worst = max(abs(e[s] - a[s]) / abs(a[s]) for s in range(16, STEPS + 1))
 print(f"  resumed at N=1 from N=2 (stage 3 -> 2): max relative loss difference, steps 16-30: {worst:.3e}")
 check(worst <= 1e-4, f"resuming at another world size and stage continues the run (within 1e-4, got {worst:.2e})")
+
+# 4c. A corrupted or truncated shard is refused with the file named.
+train("damaged", 2, "--stage", "2", "--stop_after", "3")
+shard = os.path.join(WORK, "damaged", "checkpoints", "step-00000003", "rank-00001.safetensors")
+with open(shard, "r+b") as f:
+    f.seek(os.path.getsize(shard) // 2)
+    byte = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([byte[0] ^ 0xFF]))
+code, output = run_expecting_failure("damaged", 2, "--stage", "2", "--resume", "latest")
+check(code != 0 and "rank-00001.safetensors is corrupted" in output,
+      "a flipped byte in a shard stops the resume with the file named")
+with open(shard, "r+b") as f:
+    f.truncate(os.path.getsize(shard) - 100)
+code, output = run_expecting_failure("damaged", 2, "--stage", "2", "--resume", "latest")
+check(code != 0 and "rank-00001.safetensors has" in output and "the manifest says" in output,
+      "a truncated shard stops the resume with the file named")
 
 # 5. The export reproduces the trained model.
 out = os.path.join(WORK, "np2-stage2")

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <string>
 
+#include "io_error_of.hpp"
 #include "temp_dir.hpp"
 #include "zero/core/error.hpp"
 #include "zero/io/safetensors.hpp"
@@ -22,18 +23,7 @@ std::span<const std::byte> as_bytes(const std::string& text) {
   return std::as_bytes(std::span<const char>(text.data(), text.size()));
 }
 
-template <typename Fn>
-std::string io_error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const zero::IoError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("expected zero::IoError, got another exception: " << e.what());
-  }
-  FAIL("expected zero::IoError, nothing was thrown");
-  return {};
-}
+using zero::testing::io_error_of;
 
 // Lowers this process's file size limit for one scope: writes past it fail
 // with EFBIG, standing in for a full disk without needing one.

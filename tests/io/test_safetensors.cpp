@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "io_error_of.hpp"
 #include "temp_dir.hpp"
 #include "zero/core/error.hpp"
 
@@ -53,20 +54,7 @@ std::vector<std::byte> with_header(const std::string& header, const std::vector<
   return out;
 }
 
-// The message of the IoError `fn` throws; fails the test when it throws
-// anything else or nothing.
-template <typename Fn>
-std::string io_error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const zero::IoError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("expected zero::IoError, got another exception: " << e.what());
-  }
-  FAIL("expected zero::IoError, nothing was thrown");
-  return {};
-}
+using zero::testing::io_error_of;
 
 }  // namespace
 

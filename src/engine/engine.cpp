@@ -760,7 +760,13 @@ constexpr int kShardVersion = 1;
 
 nlohmann::json layout_json(const FlatLayout& layout) {
   nlohmann::json params = nlohmann::json::array(), groups = nlohmann::json::array();
-  for (const ParamSpec& p : layout.params()) params.push_back({{"name", p.name}, {"numel", p.numel}});
+  for (const ParamSpec& p : layout.params()) {
+    nlohmann::json entry = {{"name", p.name}, {"numel", p.numel}};
+    // The shape, where the model gave one, lets a consolidated file carry real
+    // tensor shapes. Files from before it have name and numel only.
+    if (!p.shape.empty()) entry["shape"] = p.shape;
+    params.push_back(std::move(entry));
+  }
   for (const Bucket& b : layout.buckets()) groups.push_back(b.param_count);
   return {{"world_size", layout.world_size()}, {"alignment", layout.alignment()},
           {"padded_numel", layout.padded_numel()}, {"params", params}, {"bucket_param_counts", groups}};
@@ -844,8 +850,16 @@ void check_same_model(const nlohmann::json& state, const nlohmann::json& here, c
   if (theirs.size() != ours.size()) {
     detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
   } else {
+    // Name and numel decide; shapes only where both sides recorded one (files
+    // written before shapes were recorded still load).
+    auto same = [](const nlohmann::json& a, const nlohmann::json& b) {
+      if (!a.is_object() || a.value("name", nlohmann::json()) != b["name"] ||
+          a.value("numel", nlohmann::json()) != b["numel"])
+        return false;
+      return !a.contains("shape") || !b.contains("shape") || a["shape"] == b["shape"];
+    };
     for (std::size_t i = 0; i < ours.size() && detail.empty(); ++i)
-      if (theirs[i] != ours[i])
+      if (!same(theirs[i], ours[i]))
         detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
                  ours[i].dump() + " here";
   }
@@ -923,20 +937,19 @@ void Engine::load_state_resharded(const std::vector<std::string>& paths) {
     hosts[k].assign(shard, 0.0f);
     for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
       const Bucket& nb = layout_.buckets()[b];
-      const Bucket& ob = old.buckets()[b];
       const std::size_t lo = nb.offset + static_cast<std::size_t>(rank_) * nb.shard_size, hi = lo + nb.shard_size;
       for (std::size_t p = nb.first_param; p < nb.first_param + nb.param_count; ++p) {
         const ParamSlot& ns = layout_.slots()[p];
         const std::size_t a = std::max(lo, ns.offset), c = std::min(hi, ns.offset + ns.numel);
-        for (std::size_t x = a; x < c;) {
-          // Old full position of element x, its old owner and place in that shard.
-          const std::size_t old_pos = old.slots()[p].offset + (x - ns.offset);
-          const std::size_t in_bucket = old_pos - ob.offset;
-          const std::size_t owner = in_bucket / ob.shard_size, within = in_bucket % ob.shard_size;
-          const std::size_t run = std::min(c - x, ob.shard_size - within);
-          std::copy_n(sources[owner] + ob.shard_offset + within, run, hosts[k].data() + nb.shard_offset + (x - lo));
-          x += run;
-        }
+        if (a >= c) continue;
+        // Elements [a, c) of the new full buffer, i.e. [a - ns.offset, c - ns.offset) of parameter p,
+        // from whichever old shards hold them.
+        float* dest = hosts[k].data() + nb.shard_offset + (a - lo);
+        for_each_shard_run(old, p, a - ns.offset, c - a,
+                           [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
+                             std::copy_n(sources[static_cast<std::size_t>(owner)] + index, run,
+                                         dest + (element - (a - ns.offset)));
+                           });
       }
     }
     pointers[k] = hosts[k].data();
@@ -1006,6 +1019,92 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
   consecutive_nonfinite_ = state.value("consecutive_nonfinite", 0);
   scaler_.restore(state.value("loss_scale", 1.0), state.value("loss_scale_good_steps", 0),
                   state.value("loss_scale_hysteresis_left", 1), state.value("loss_scale_skipped", std::int64_t{0}));
+}
+
+// ---------------------------------------------------------------- saved shards (for tools)
+
+SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
+  const std::string path = file.path().string();
+  const nlohmann::json state = shard_metadata(file, path);
+  auto fail = [&](const std::string& key, const char* expected) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata key '", key, "' should be ", expected);
+  };
+  if (!state.is_object()) fail("(root)", "an object");
+  auto integer = [&](const nlohmann::json& in, const char* key, std::int64_t lo, std::int64_t hi,
+                     const std::string& prefix = "") -> std::int64_t {
+    auto it = in.find(key);
+    if (it == in.end() || !it->is_number_integer()) fail(prefix + key, "an integer");
+    if (it->is_number_unsigned() && it->get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
+      fail(prefix + key, "an integer in range");
+    const auto x = it->get<std::int64_t>();
+    if (x < lo || x > hi) fail(prefix + key, "an integer in range");
+    return x;
+  };
+  auto text = [&](const char* key) -> std::string {
+    auto it = state.find(key);
+    if (it == state.end() || !it->is_string()) fail(key, "a string");
+    return it->get<std::string>();
+  };
+  if (state.value("format", nlohmann::json()) != kShardFormat) fail("format", "\"zero.engine.shard\"");
+  if (state.value("version", nlohmann::json()) != kShardVersion) fail("version", "1");
+  SavedShard out;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  out.rank = static_cast<int>(integer(state, "rank", 0, 1 << 20));
+  out.stage = static_cast<int>(integer(state, "stage", 0, 3));
+  out.step = integer(state, "step", 0, kMax);
+  out.param_dtype = text("param_dtype");
+  out.optimizer = text("optimizer");
+  out.state_slots = static_cast<int>(integer(state, "state_slots", 0, 2));
+  if (auto it = state.find("loss_scale"); it == state.end() || !it->is_number()) fail("loss_scale", "a number");
+  out.loss_scale = state["loss_scale"].get<double>();
+  auto lit = state.find("layout");
+  if (lit == state.end() || !lit->is_object()) fail("layout", "an object");
+  const nlohmann::json& layout = *lit;
+  out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20, "layout."));
+  if (out.rank >= out.world_size) fail("rank", "below layout.world_size");
+  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30, "layout."));
+  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax, "layout."));
+  auto pit = layout.find("params");
+  auto cit = layout.find("bucket_param_counts");
+  if (pit == layout.end() || !pit->is_array()) fail("layout.params", "an array");
+  if (cit == layout.end() || !cit->is_array()) fail("layout.bucket_param_counts", "an array");
+  std::vector<ParamSpec> params;
+  for (const nlohmann::json& p : *pit) {
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string())
+      fail("layout.params[].name", "a string");
+    ParamSpec spec{p["name"].get<std::string>(),
+                   static_cast<std::size_t>(integer(p, "numel", 0, std::int64_t{1} << 50, "layout.params[].")), {}};
+    if (auto sit = p.find("shape"); sit != p.end()) {
+      if (!sit->is_array()) fail("layout.params[].shape", "an array of integers >= 0");
+      for (const nlohmann::json& d : *sit) {
+        if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
+          fail("layout.params[].shape", "an array of integers >= 0");
+        spec.shape.push_back(d.get<std::int64_t>());
+      }
+    }
+    params.push_back(std::move(spec));
+  }
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const nlohmann::json& c : *cit) {
+    if (!c.is_number_unsigned() || c.get<std::size_t>() == 0 || c.get<std::size_t>() > params.size() - next)
+      fail("layout.bucket_param_counts", "counts >= 1 that add up to the number of parameters");
+    const std::size_t n = c.get<std::size_t>();
+    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
+                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
+    next += n;
+  }
+  if (next != params.size()) fail("layout.bucket_param_counts", "counts that add up to the number of parameters");
+  try {
+    out.layout = FlatLayout::build_grouped(groups, {.world_size = out.world_size, .alignment = alignment});
+  } catch (const InvalidArgument& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
+  }
+  if (out.layout.padded_numel() != padded)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.layout.padded_numel(),
+               " padded elements, the file says ", padded);
+  out.layout_text = layout_json(out.layout).dump();  // rebuilt, not echoed: bounded depth
+  return out;
 }
 
 }  // namespace zero

@@ -619,8 +619,10 @@ std::string json_string(const std::string& text, std::string_view what) {
   }
 }
 
+// `with_data`: the views carry their data (false for the stream writer,
+// whose data comes later).
 Plan plan_layout(const std::vector<TensorView>& tensors,
-                 const std::map<std::string, std::string>& metadata) {
+                 const std::map<std::string, std::string>& metadata, bool with_data = true) {
   // The header is assembled by hand, entry by entry in the given order: an
   // ordered_json object would keep the order but look up every key linearly.
   Plan plan;
@@ -665,7 +667,7 @@ Plan plan_layout(const std::vector<TensorView>& tensors,
     ZERO_CHECK(!overflow && !__builtin_add_overflow(plan.data_size, bytes, &end),
                "write_safetensors: tensor '", t.name, "' with shape ", shape_text(t.shape),
                " overflows 64-bit byte offsets");
-    ZERO_CHECK(t.data != nullptr || bytes == 0, "write_safetensors: tensor '", t.name,
+    ZERO_CHECK(!with_data || t.data != nullptr || bytes == 0, "write_safetensors: tensor '", t.name,
                "' has ", bytes, " bytes of data but a null data pointer");
     if (header.size() > 1) header += ',';
     header += json_string(t.name, "tensor name");
@@ -724,6 +726,55 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
     if (plan.sizes[i]) writer.write(tensors[i].data, plan.sizes[i]);
   }
   writer.commit();
+}
+
+// ---------------------------------------------------------------- stream writer
+
+SafeTensorsStreamWriter::SafeTensorsStreamWriter(const std::filesystem::path& path,
+                                                 const std::vector<TensorSpec>& tensors,
+                                                 const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) views.push_back({t.name, t.dtype, t.shape, nullptr});
+  const Plan plan = plan_layout(views, metadata, /*with_data=*/false);
+  // Created only once the specs are known to be valid: no temporary file for a refused call.
+  writer_.emplace(path);
+  std::byte length[8];
+  store_le64(length, plan.header.size());
+  writer_->write(length, sizeof length);
+  writer_->write(plan.header.data(), plan.header.size());
+  sizes_ = plan.sizes;
+  data_size_ = plan.data_size;
+  file_size_ = 8 + plan.header.size() + plan.data_size;
+  skip_empty();
+}
+
+void SafeTensorsStreamWriter::skip_empty() {
+  while (current_ < sizes_.size() && written_in_current_ == sizes_[current_]) {
+    ++current_;
+    written_in_current_ = 0;
+  }
+}
+
+void SafeTensorsStreamWriter::append(std::span<const std::byte> bytes) {
+  ZERO_CHECK(bytes.size() <= data_size_ - written_, "SafeTensorsStreamWriter(", writer_->target().string(),
+             "): ", bytes.size(), " bytes appended with only ", data_size_ - written_, " left to write");
+  writer_->write(bytes);
+  written_ += bytes.size();
+  std::uint64_t left = bytes.size();
+  while (left > 0) {
+    const std::uint64_t take = std::min(left, sizes_[current_] - written_in_current_);
+    written_in_current_ += take;
+    left -= take;
+    skip_empty();
+  }
+}
+
+void SafeTensorsStreamWriter::commit() {
+  ZERO_CHECK(written_ == data_size_, "SafeTensorsStreamWriter(", writer_->target().string(), "): committed after ",
+             written_, " of ", data_size_, " data bytes",
+             current_ < sizes_.size() ? " (tensor " + std::to_string(current_) + " is incomplete)" : std::string());
+  writer_->commit();
 }
 
 }  // namespace zero::io

@@ -12,25 +12,10 @@
 #include <utility>
 
 #include "zero/core/error.hpp"
+#include "zero/io/crc32c.hpp"
 
 namespace sdxl::metrics {
 namespace {
-
-// ---------------------------------------------------------------- CRC-32C
-
-// Byte-at-a-time table for the reflected Castagnoli polynomial, built at
-// compile time. Metrics are a few hundred bytes per step, so the 8x faster
-// slicing-by-8 or SSE4.2 variants would buy nothing here.
-constexpr std::array<std::uint32_t, 256> make_crc32c_table() {
-  std::array<std::uint32_t, 256> table{};
-  for (std::uint32_t i = 0; i < 256; ++i) {
-    std::uint32_t crc = i;
-    for (int bit = 0; bit < 8; ++bit) crc = (crc >> 1) ^ ((crc & 1u) ? 0x82F63B78u : 0u);
-    table[i] = crc;
-  }
-  return table;
-}
-constexpr std::array<std::uint32_t, 256> kCrc32cTable = make_crc32c_table();
 
 // ---------------------------------------------------------------- protobuf wire format
 
@@ -116,16 +101,13 @@ std::string host_name() {
 
 // ---------------------------------------------------------------- framing
 
+// One implementation for the project: zero's (slicing-by-8), also used for
+// checkpoint manifests.
 std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc) noexcept {
-  crc = ~crc;
-  for (std::byte b : data)
-    crc = kCrc32cTable[(crc ^ static_cast<std::uint8_t>(b)) & 0xFFu] ^ (crc >> 8);
-  return ~crc;
+  return zero::io::crc32c(data, crc);
 }
 
-std::uint32_t crc32c(std::string_view data, std::uint32_t crc) noexcept {
-  return crc32c(std::as_bytes(std::span<const char>(data.data(), data.size())), crc);
-}
+std::uint32_t crc32c(std::string_view data, std::uint32_t crc) noexcept { return zero::io::crc32c(data, crc); }
 
 void append_tfrecord(std::string& out, std::string_view payload) {
   std::string length;

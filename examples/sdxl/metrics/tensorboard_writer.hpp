@@ -20,6 +20,7 @@ namespace sdxl::metrics {
 /// CRC-32C (Castagnoli polynomial, reflected 0x82F63B78), the checksum of
 /// TFRecord framing. `crc` is a previous result to continue from, so
 /// crc32c(b, crc32c(a)) == crc32c(a + b). crc32c("123456789") == 0xE3069283.
+/// Forwards to zero::io::crc32c (zero/io/crc32c.hpp), the one implementation.
 std::uint32_t crc32c(std::span<const std::byte> data, std::uint32_t crc = 0) noexcept;
 std::uint32_t crc32c(std::string_view data, std::uint32_t crc = 0) noexcept;
 

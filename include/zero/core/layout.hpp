@@ -12,6 +12,7 @@
 // may be all padding for some ranks (a tiny bucket at a large world size).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -135,6 +136,28 @@ class FlatLayout {
   std::vector<ParamSlot> slots_;
   std::vector<Bucket> buckets_;
 };
+
+/// Visits where elements [first, first + count) of parameter `param` lie in
+/// the ranks' shards, as contiguous runs in element order:
+/// visit(owner_rank, index_in_owner_shard, element_of_param, run_length).
+/// The one mapping from parameter elements to owners, used to reshard a
+/// checkpoint and to consolidate one.
+template <typename Visit>
+void for_each_shard_run(const FlatLayout& layout, std::size_t param, std::size_t first, std::size_t count,
+                        Visit&& visit) {
+  ZERO_CHECK(param < layout.slots().size(), "parameter ", param, " of ", layout.slots().size());
+  const ParamSlot& slot = layout.slots()[param];
+  ZERO_CHECK(first <= slot.numel && count <= slot.numel - first, "elements [", first, ", ", first + count,
+             ") of parameter ", param, " with ", slot.numel);
+  const Bucket& bucket = layout.buckets()[slot.bucket];
+  for (std::size_t e = first, end = first + count; e < end;) {
+    const std::size_t in_bucket = slot.offset + e - bucket.offset;
+    const std::size_t owner = in_bucket / bucket.shard_size, within = in_bucket % bucket.shard_size;
+    const std::size_t run = std::min(end - e, bucket.shard_size - within);
+    visit(static_cast<int>(owner), bucket.shard_offset + within, e, run);
+    e += run;
+  }
+}
 
 // ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "zero/core/dtype.hpp"
+#include "zero/io/atomic_file.hpp"
 
 namespace zero::io {
 
@@ -211,5 +212,52 @@ std::vector<std::byte> serialize_safetensors(const std::vector<TensorView>& tens
 /// when writing fails; `path` is then left as it was.
 void write_safetensors(const std::filesystem::path& path, const std::vector<TensorView>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+
+/// A tensor's name, dtype and shape, without its data (SafeTensorsStreamWriter).
+struct TensorSpec {
+  std::string name;
+  TensorDType dtype = TensorDType::F32;
+  std::vector<std::int64_t> shape;
+};
+
+/// Writes a safetensors file whose tensors are known up front but whose data
+/// arrives piece by piece, so that a file larger than memory can be written:
+/// the header (the same bytes write_safetensors would produce) is computed
+/// from the specs and written at construction, then append() streams the data
+/// of the tensors in the given order, and commit() makes the file visible
+/// atomically (temporary file, fsync, rename; AtomicFileWriter). A writer
+/// destroyed uncommitted leaves `path` as it was.
+///
+/// Throws zero::InvalidArgument as write_safetensors does for bad specs, when
+/// more data is appended than the tensors hold, or when commit() comes before
+/// all of it; zero::IoError when writing fails.
+class SafeTensorsStreamWriter {
+ public:
+  SafeTensorsStreamWriter(const std::filesystem::path& path, const std::vector<TensorSpec>& tensors,
+                          const std::map<std::string, std::string>& metadata = {});
+
+  /// Appends the next bytes of the data section (little-endian elements);
+  /// one call may cover part of a tensor or run across several.
+  void append(std::span<const std::byte> bytes);
+  void commit();
+
+  /// Index of the tensor the next appended byte belongs to (== the tensor
+  /// count once all data is written).
+  std::size_t current_tensor() const noexcept { return current_; }
+  std::uint64_t bytes_left() const noexcept { return data_size_ - written_; }
+  /// Size of the complete file.
+  std::uint64_t file_size() const noexcept { return file_size_; }
+
+ private:
+  void skip_empty();
+
+  std::optional<AtomicFileWriter> writer_;
+  std::vector<std::uint64_t> sizes_;
+  std::uint64_t data_size_ = 0;
+  std::uint64_t written_ = 0;
+  std::uint64_t file_size_ = 0;
+  std::size_t current_ = 0;
+  std::uint64_t written_in_current_ = 0;
+};
 
 }  // namespace zero::io

@@ -1,0 +1,431 @@
+// Checkpoint folders and their manifest. Free of MPI and of the engine (the
+// engine-aware parts live in consolidate.cpp), so that the manifest reader
+// builds alone into its fuzzer (tests/fuzz/fuzz_manifest.cpp).
+#include "zero/io/checkpoint.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <system_error>
+
+#include "zero/core/error.hpp"
+#include "zero/io/atomic_file.hpp"
+#include "zero/io/crc32c.hpp"
+
+namespace zero::io {
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+namespace {
+
+constexpr int kMaxWorldSize = 1 << 20;
+
+// ---------------------------------------------------------------- messages
+
+// At most 80 bytes of a string, cut on a UTF-8 character boundary.
+std::string brief_text(std::string_view text) {
+  constexpr std::size_t kLimit = 80;
+  if (text.size() <= kLimit) return std::string(text);
+  std::size_t cut = kLimit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0u) == 0x80u) --cut;
+  return std::string(text.substr(0, cut)) + "...";
+}
+
+// What a value is, for "found ..." in messages. Never Json::dump() of a
+// container: a hostile manifest may nest arrays a million deep.
+std::string found(const Json& value) {
+  switch (value.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::boolean: return value.get<bool>() ? "true" : "false";
+    case Json::value_t::string: return Json(brief_text(value.get_ref<const std::string&>())).dump();
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned:
+    case Json::value_t::number_float: return value.dump();
+    case Json::value_t::array: return "an array of " + std::to_string(value.size());
+    case Json::value_t::object: return "an object of " + std::to_string(value.size()) + " keys";
+    default: return "a " + std::string(value.type_name());
+  }
+}
+
+// nlohmann's parse errors quote the input, which may be arbitrary bytes.
+std::string printable(std::string_view what) {
+  if (!what.empty() && what.front() == '[') {
+    if (const auto end = what.find("] "); end != std::string_view::npos) what.remove_prefix(end + 2);
+  }
+  std::string out;
+  for (const char c : what.substr(0, 300)) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out += c;
+    } else {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+      out += escaped;
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- typed getters
+
+// Reads keys of one JSON object, naming each failure by its dotted path.
+class Reader {
+ public:
+  Reader(const std::string& where, const Json& object, std::string prefix)
+      : where_(where), object_(object), prefix_(std::move(prefix)) {}
+
+  [[noreturn]] void fail(const std::string& key, std::string_view expected, const std::string& what) const {
+    ZERO_THROW(IoError, where_, ": key '", prefix_, key, "' should be ", expected, ", found ", what);
+  }
+
+  bool has(const char* key) const { return object_.contains(key); }
+
+  const Json& get(const char* key, std::string_view expected) const {
+    auto it = object_.find(key);
+    if (it == object_.end()) fail(key, expected, "nothing (the key is missing)");
+    return *it;
+  }
+
+  std::int64_t integer(const char* key, std::int64_t lo, std::int64_t hi, std::string_view expected) const {
+    const Json& v = get(key, expected);
+    if (v.is_number_integer() && !v.is_number_unsigned()) {
+      const auto x = v.get<std::int64_t>();
+      if (x >= lo && x <= hi) return x;
+    } else if (v.is_number_unsigned()) {
+      const auto x = v.get<std::uint64_t>();
+      if (hi >= 0 && x <= static_cast<std::uint64_t>(hi) && static_cast<std::int64_t>(x) >= lo)
+        return static_cast<std::int64_t>(x);
+    }
+    fail(key, expected, found(v));
+  }
+
+  std::uint64_t unsigned_integer(const char* key, std::uint64_t lo, std::uint64_t hi, std::string_view expected) const {
+    const Json& v = get(key, expected);
+    if (v.is_number_unsigned()) {
+      const auto x = v.get<std::uint64_t>();
+      if (x >= lo && x <= hi) return x;
+    } else if (v.is_number_integer()) {
+      const auto x = v.get<std::int64_t>();
+      if (x >= 0 && static_cast<std::uint64_t>(x) >= lo && static_cast<std::uint64_t>(x) <= hi)
+        return static_cast<std::uint64_t>(x);
+    }
+    fail(key, expected, found(v));
+  }
+
+  // A finite number (integers accepted) in [lo, hi]; lo excluded when `open_low`.
+  double number(const char* key, double lo, double hi, bool open_low, std::string_view expected) const {
+    const Json& v = get(key, expected);
+    if (v.is_number()) {
+      const double x = v.get<double>();
+      if (std::isfinite(x) && (open_low ? x > lo : x >= lo) && x <= hi) return x;
+    }
+    fail(key, expected, found(v));
+  }
+
+  bool boolean(const char* key) const {
+    const Json& v = get(key, "true or false");
+    if (!v.is_boolean()) fail(key, "true or false", found(v));
+    return v.get<bool>();
+  }
+
+  const std::string& string(const char* key, std::string_view expected = "a string") const {
+    const Json& v = get(key, expected);
+    if (!v.is_string()) fail(key, expected, found(v));
+    return v.get_ref<const std::string&>();
+  }
+
+  const std::string& one_of(const char* key, std::initializer_list<std::string_view> allowed,
+                            std::string_view expected) const {
+    const std::string& s = string(key, expected);
+    if (std::find(allowed.begin(), allowed.end(), s) == allowed.end()) fail(key, expected, found(get(key, expected)));
+    return s;
+  }
+
+  Reader object(const char* key) const {
+    const Json& v = get(key, "an object");
+    if (!v.is_object()) fail(key, "an object", found(v));
+    return Reader(where_, v, prefix_ + key + ".");
+  }
+
+  const Json& json() const { return object_; }
+  const std::string& where() const { return where_; }
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  const std::string& where_;
+  const Json& object_;
+  std::string prefix_;
+};
+
+constexpr double kHuge = std::numeric_limits<double>::max();
+
+void read_files(const Reader& root, CheckpointManifest& m) {
+  const Json& files = root.get("files", "an array");
+  const std::string expected = "an array of " + std::to_string(m.world_size) + " entries (one per rank, world_size)";
+  if (!files.is_array() || files.size() != static_cast<std::size_t>(m.world_size))
+    root.fail("files", expected, found(files));
+  m.files.reserve(files.size());
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::string index = "files[" + std::to_string(i) + "]";
+    if (!files[i].is_object()) root.fail(index, "an object {file, bytes, crc32c}", found(files[i]));
+    const Reader entry(root.where(), files[i], index + ".");
+    ManifestFile f;
+    const std::string name = rank_file_name(static_cast<int>(i));
+    f.file = entry.string("file", "\"" + name + "\"");
+    if (f.file != name) entry.fail("file", "\"" + name + "\"", found(files[i]["file"]));
+    f.bytes = entry.unsigned_integer("bytes", 0, std::numeric_limits<std::uint64_t>::max(), "an integer >= 0");
+    if (m.version >= 2 || entry.has("crc32c"))
+      f.crc32c = static_cast<std::uint32_t>(
+          entry.unsigned_integer("crc32c", 0, 0xFFFFFFFFu, "an integer in [0, 4294967295]"));
+    m.files.push_back(std::move(f));
+  }
+}
+
+void read_training_state(const Reader& root, CheckpointManifest& m) {
+  m.param_dtype = root.one_of("param_dtype", {"fp32", "bf16", "fp16"}, "\"fp32\", \"bf16\" or \"fp16\"");
+  const Reader opt = root.object("optimizer");
+  ManifestOptimizer& o = m.optimizer;
+  o.name = opt.one_of("name", {"adamw", "sgd", "lion"}, "\"adamw\", \"sgd\" or \"lion\"");
+  o.lr = opt.number("lr", 0, kHuge, false, "a finite number >= 0");
+  o.beta1 = opt.number("beta1", 0, 1, false, "a number in [0, 1]");
+  o.beta2 = opt.number("beta2", 0, 1, false, "a number in [0, 1]");
+  o.eps = opt.number("eps", 0, kHuge, false, "a finite number >= 0");
+  o.weight_decay = opt.number("weight_decay", 0, kHuge, false, "a finite number >= 0");
+  o.momentum = opt.number("momentum", 0, 1, false, "a number in [0, 1]");
+  o.dampening = opt.number("dampening", 0, 1, false, "a number in [0, 1]");
+  o.nesterov = opt.boolean("nesterov");
+  o.state_slots = static_cast<int>(opt.integer("state_slots", 0, 2, "an integer in [0, 2]"));
+  m.loss_scale = root.number("loss_scale", 0, kHuge, true, "a finite number > 0");
+
+  const Reader layout = root.object("layout");
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  ManifestLayout& l = m.layout;
+  l.param_count = layout.unsigned_integer("param_count", 0, kMax, "an integer >= 0");
+  l.param_numel = layout.unsigned_integer("param_numel", 0, kMax, "an integer >= 0");
+  l.padded_numel = layout.unsigned_integer("padded_numel", l.param_numel, kMax,
+                                           "an integer >= param_numel (" + std::to_string(l.param_numel) + ")");
+  l.alignment = layout.unsigned_integer("alignment", 1, kMax, "an integer >= 1");
+  l.bucket_count = layout.unsigned_integer("bucket_count", 0, kMax, "an integer >= 0");
+
+  const Reader data = root.object("data_position");
+  for (auto it = data.json().begin(); it != data.json().end(); ++it) {
+    if (!it->is_string()) root.fail("data_position." + brief_text(it.key()), "a string", found(*it));
+    m.data_position[it.key()] = it->get<std::string>();
+  }
+  const Reader rng = root.object("rng");
+  if (rng.has("seed"))
+    m.seed = rng.unsigned_integer("seed", 0, std::numeric_limits<std::uint64_t>::max(), "an integer >= 0");
+  m.config = root.string("config");
+}
+
+Json json_text(const std::string& text, std::string_view what) {
+  // Round trip through the strict serializer: invalid UTF-8 is refused here,
+  // not silently replaced, so the manifest always reads back.
+  try {
+    (void)Json(text).dump(-1, ' ', false, Json::error_handler_t::strict);
+  } catch (const nlohmann::json::exception&) {
+    ZERO_THROW(InvalidArgument, "manifest: ", what, " is not valid UTF-8");
+  }
+  return Json(text);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- names
+
+std::string checkpoint_folder_name(std::int64_t step) {
+  ZERO_CHECK(step >= 0, "checkpoint step must be >= 0, got ", step);
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return name;
+}
+
+fs::path checkpoint_folder(const fs::path& root, std::int64_t step) { return root / checkpoint_folder_name(step); }
+
+std::string rank_file_name(int rank) {
+  ZERO_CHECK(rank >= 0, "rank must be >= 0, got ", rank);
+  char name[48];
+  std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
+  return name;
+}
+
+// ---------------------------------------------------------------- manifest
+
+std::string manifest_to_json(const CheckpointManifest& m) {
+  ZERO_CHECK(m.world_size >= 1 && m.world_size <= kMaxWorldSize, "manifest: world_size ", m.world_size,
+             " outside [1, ", kMaxWorldSize, "]");
+  ZERO_CHECK(m.files.size() == static_cast<std::size_t>(m.world_size), "manifest: ", m.files.size(),
+             " files for world_size ", m.world_size);
+  ZERO_CHECK(m.step >= 0, "manifest: step must be >= 0, got ", m.step);
+  ZERO_CHECK(m.stage >= 0 && m.stage <= 3, "manifest: stage must be 0..3, got ", m.stage);
+  ZERO_CHECK(std::isfinite(m.loss_scale) && m.loss_scale > 0, "manifest: loss_scale must be finite and > 0, got ",
+             m.loss_scale);
+  const ManifestOptimizer& o = m.optimizer;
+  for (double x : {o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.momentum, o.dampening})
+    ZERO_CHECK(std::isfinite(x) && x >= 0, "manifest: optimizer '", o.name, "' has a setting ", x,
+               " that is negative or not finite");
+  // Keys in a reading order (format first, config last), not sorted.
+  using Ordered = nlohmann::ordered_json;
+  Ordered files = Ordered::array();
+  for (std::size_t r = 0; r < m.files.size(); ++r) {
+    const ManifestFile& f = m.files[r];
+    ZERO_CHECK(f.file == rank_file_name(static_cast<int>(r)), "manifest: file ", r, " is '", f.file,
+               "', expected '", rank_file_name(static_cast<int>(r)), "'");
+    ZERO_CHECK(f.crc32c.has_value(), "manifest: file '", f.file, "' has no CRC32C");
+    files.push_back({{"file", f.file}, {"bytes", f.bytes}, {"crc32c", *f.crc32c}});
+  }
+  Ordered data = Ordered::object();
+  for (const auto& [k, v] : m.data_position) data[k] = json_text(v, "data_position value").get<std::string>();
+  Ordered rng = Ordered::object();
+  if (m.seed) rng["seed"] = *m.seed;
+  const Ordered manifest = {
+      {"format", kCheckpointFormat},
+      {"version", kCheckpointVersion},
+      {"step", m.step},
+      {"world_size", m.world_size},
+      {"stage", m.stage},
+      {"param_dtype", m.param_dtype},
+      {"optimizer",
+       {{"name", o.name}, {"lr", o.lr}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps},
+        {"weight_decay", o.weight_decay}, {"momentum", o.momentum}, {"dampening", o.dampening},
+        {"nesterov", o.nesterov}, {"state_slots", o.state_slots}}},
+      {"loss_scale", m.loss_scale},
+      {"layout",
+       {{"param_count", m.layout.param_count}, {"param_numel", m.layout.param_numel},
+        {"padded_numel", m.layout.padded_numel}, {"alignment", m.layout.alignment},
+        {"bucket_count", m.layout.bucket_count}}},
+      {"data_position", data},
+      {"rng", rng},
+      {"files", files},
+      {"config", json_text(m.config, "config").get<std::string>()}};
+  std::string text;
+  try {
+    text = manifest.dump(2, ' ', false, Ordered::error_handler_t::strict) + "\n";
+  } catch (const nlohmann::json::exception& e) {
+    ZERO_THROW(InvalidArgument, "manifest: a key or value is not valid UTF-8 (", printable(e.what()), ")");
+  }
+  // What is written must read back: the same checks as any reader's.
+  (void)parse_manifest(text, "manifest being written");
+  return text;
+}
+
+CheckpointManifest parse_manifest(std::string_view text, const std::string& where) {
+  // nlohmann's lexer stops at a NUL byte as at the end of input; a manifest
+  // with one is damaged, whatever precedes it.
+  if (text.find('\0') != std::string_view::npos)
+    ZERO_THROW(IoError, where, ": not valid JSON (holds a NUL byte at offset ", text.find('\0'), ")");
+  Json root;
+  try {
+    root = Json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    ZERO_THROW(IoError, where, ": not valid JSON: ", printable(e.what()));
+  }
+  if (!root.is_object()) ZERO_THROW(IoError, where, ": should hold a JSON object, found ", found(root));
+  const Reader r(where, root, "");
+  CheckpointManifest m;
+  const std::string& format = r.one_of("format", {kCheckpointFormat, kCheckpointFormatV1},
+                                       R"("zero.checkpoint" (or "zero.sdxl.checkpoint" of version 1))");
+  const bool v1 = format == kCheckpointFormatV1;
+  m.version = static_cast<int>(r.integer("version", v1 ? 1 : 2, v1 ? 1 : 2, v1 ? "1 (for this format)" : "2"));
+  m.step = r.integer("step", 0, std::numeric_limits<std::int64_t>::max(), "an integer >= 0");
+  m.world_size = static_cast<int>(
+      r.integer("world_size", 1, kMaxWorldSize, "an integer >= 1 (and <= " + std::to_string(kMaxWorldSize) + ")"));
+  m.stage = static_cast<int>(r.integer("stage", 0, 3, "an integer in [0, 3]"));
+  read_files(r, m);
+  if (v1) {
+    if (r.has("config")) m.config = r.string("config");
+  } else {
+    read_training_state(r, m);
+  }
+  return m;
+}
+
+CheckpointManifest read_manifest(const fs::path& path) {
+  std::error_code ec;
+  const fs::path file = fs::is_directory(path, ec) ? path / kManifestName : path;
+  const auto size = fs::file_size(file, ec);
+  if (ec)
+    ZERO_THROW(IoError, file.string(), " is missing or unreadable (", ec.message(),
+               "): an interrupted save, or not a checkpoint folder");
+  if (size > kMaxManifestBytes)
+    ZERO_THROW(IoError, file.string(), ": ", size, " bytes is too large for a manifest (at most ", kMaxManifestBytes,
+               ")");
+  std::ifstream in(file, std::ios::binary);
+  std::string text(static_cast<std::size_t>(size), '\0');
+  if (!in.read(text.data(), static_cast<std::streamsize>(size)))
+    ZERO_THROW(IoError, "cannot read ", file.string(), ": ", std::strerror(errno));
+  return parse_manifest(text, file.string());
+}
+
+void write_manifest(const fs::path& folder, const CheckpointManifest& manifest) {
+  const std::string text = manifest_to_json(manifest);
+  write_file_atomically(folder / kManifestName, std::as_bytes(std::span<const char>(text.data(), text.size())));
+}
+
+// ---------------------------------------------------------------- folders
+
+std::vector<CheckpointFolder> list_complete_checkpoints(const fs::path& root) {
+  std::vector<CheckpointFolder> found_folders;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return found_folders;
+  fs::directory_iterator it(root, ec);
+  if (ec) ZERO_THROW(IoError, "cannot list checkpoints in ", root.string(), ": ", ec.message());
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= 5 || name.compare(0, 5, "step-") != 0 || name.size() > 5 + 18) continue;
+    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    if (!fs::is_regular_file(it->path() / kManifestName, ec)) continue;
+    found_folders.push_back({std::stoll(name.substr(5)), it->path()});
+  }
+  if (ec) ZERO_THROW(IoError, "cannot list checkpoints in ", root.string(), ": ", ec.message());
+  std::sort(found_folders.begin(), found_folders.end(),
+            [](const CheckpointFolder& a, const CheckpointFolder& b) { return a.step < b.step; });
+  return found_folders;
+}
+
+void verify_checkpoint_file(const fs::path& folder, const CheckpointManifest& manifest, std::size_t index) {
+  ZERO_CHECK(index < manifest.files.size(), (folder / kManifestName).string(), " lists ", manifest.files.size(),
+             " files; rank ", index, "'s is missing");
+  const ManifestFile& entry = manifest.files[index];
+  const fs::path file = folder / entry.file;
+  std::error_code ec;
+  const auto size = fs::file_size(file, ec);
+  if (ec) ZERO_THROW(IoError, "checkpoint file ", file.string(), " is missing (", ec.message(), ")");
+  if (size != entry.bytes)
+    ZERO_THROW(IoError, "checkpoint file ", file.string(), " has ", size, " bytes, the manifest says ", entry.bytes,
+               " (truncated or replaced)");
+  if (entry.crc32c) {
+    const std::uint32_t crc = file_crc32c(file);
+    if (crc != *entry.crc32c)
+      ZERO_THROW(IoError, "checkpoint file ", file.string(), " is corrupted: its CRC32C is ", crc,
+                 ", the manifest says ", *entry.crc32c);
+  }
+}
+
+void verify_checkpoint_files(const fs::path& folder, const CheckpointManifest& manifest) {
+  for (std::size_t i = 0; i < manifest.files.size(); ++i) verify_checkpoint_file(folder, manifest, i);
+}
+
+void remove_checkpoint(const fs::path& folder) {
+  std::error_code ec;
+  fs::remove(folder / kManifestName, ec);  // first: the folder stops counting as complete
+  for (fs::directory_iterator it(folder, ec); !ec && it != fs::directory_iterator(); it.increment(ec))
+    fs::remove(it->path(), ec);
+  fs::remove(folder, ec);
+}
+
+std::vector<fs::path> rotate_checkpoints(const fs::path& root, std::size_t keep) {
+  std::vector<fs::path> removed;
+  const auto all = list_complete_checkpoints(root);
+  for (std::size_t i = 0; i + keep < all.size(); ++i) {
+    remove_checkpoint(all[i].path);
+    removed.push_back(all[i].path);
+  }
+  return removed;
+}
+
+}  // namespace zero::io

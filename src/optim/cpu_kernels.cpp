@@ -23,7 +23,10 @@ namespace {
 constexpr std::size_t kChunk = std::size_t{1} << 16;  // elements per task; fixed => deterministic sums
 
 #if defined(__x86_64__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define ZERO_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// flatten: every callee (the dtype dispatch, the element loops) is inlined
+// into each clone, so each gets code for its own ISA. Without it the clones
+// only call one shared baseline (SSE) copy of the loops.
+#define ZERO_MULTIVERSION __attribute__((flatten, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ZERO_MULTIVERSION
 #endif

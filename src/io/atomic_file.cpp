@@ -4,11 +4,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <utility>
 
 #include "zero/core/error.hpp"
@@ -37,6 +41,39 @@ std::string temp_suffix() {
   std::snprintf(buffer, sizeof buffer, ".tmp.%ld.%016llx", static_cast<long>(::getpid()),
                 static_cast<unsigned long long>(engine()));
   return buffer;
+}
+
+// ZERO_FAULT_KILL_DURING_WRITE=<substring>[:<nth>] (see the header): parsed
+// once; a malformed value is reported and ignored rather than thrown, since a
+// test hook must not change how a correct program fails.
+struct KillDuringWrite {
+  std::string substring;
+  long nth = 1;
+  std::atomic<long> matched{0};
+};
+
+KillDuringWrite* kill_during_write() {
+  static KillDuringWrite* const fault = []() -> KillDuringWrite* {
+    const char* text = std::getenv("ZERO_FAULT_KILL_DURING_WRITE");
+    if (text == nullptr || *text == '\0') return nullptr;
+    auto* f = new KillDuringWrite;  // lives until exit; the hook may fire at any time
+    std::string value = text;
+    if (const auto colon = value.rfind(':'); colon != std::string::npos) {
+      char* end = nullptr;
+      const long nth = std::strtol(value.c_str() + colon + 1, &end, 10);
+      if (end == value.c_str() + colon + 1 || *end != '\0' || nth < 1) {
+        std::fprintf(stderr, "[zero] ignoring ZERO_FAULT_KILL_DURING_WRITE='%s': expected <substring>[:<nth>], nth >= 1\n",
+                     text);
+        delete f;
+        return nullptr;
+      }
+      f->nth = nth;
+      value.resize(colon);
+    }
+    f->substring = value;
+    return f;
+  }();
+  return fault;
 }
 
 }  // namespace
@@ -125,6 +162,15 @@ void AtomicFileWriter::write(const void* data, std::size_t size) {
 void AtomicFileWriter::commit() {
   ZERO_CHECK(fd_ >= 0 && !committed_ && !failed_, "AtomicFileWriter: commit of '",
              target_.string(), "' twice, after a failure or after a move");
+  if (KillDuringWrite* fault = kill_during_write();
+      fault != nullptr && target_.string().find(fault->substring) != std::string::npos &&
+      ++fault->matched == fault->nth) {
+    std::fprintf(stderr, "[zero] ZERO_FAULT_KILL_DURING_WRITE: killing process %ld while writing '%s' (%zu of %zu bytes in '%s')\n",
+                 static_cast<long>(::getpid()), target_.c_str(), bytes_written_ / 2, bytes_written_, temp_.c_str());
+    std::fflush(stderr);
+    if (::ftruncate(fd_, static_cast<off_t>(bytes_written_ / 2)) != 0) std::perror("[zero] ftruncate");
+    ::kill(::getpid(), SIGKILL);
+  }
   int rc;
   do {
     rc = ::fsync(fd_);

@@ -23,6 +23,16 @@ namespace zero::io {
 /// strerror(errno), e.g. a read-only directory (EACCES) or a full disk (ENOSPC).
 ///
 /// Not thread-safe: one writer is used by one thread at a time.
+///
+/// Fault injection (tests only): with the environment variable
+/// `ZERO_FAULT_KILL_DURING_WRITE=<substring>[:<nth>]` set, the nth writer
+/// (default the first) of the process whose target path contains
+/// `<substring>` cuts its temporary file to half of the bytes written and
+/// sends SIGKILL to its own process at commit(), before the rename: what a
+/// process killed halfway through writing leaves on disk. Example, rank 1
+/// killed while writing its shard of the step-4 checkpoint:
+/// `ZERO_FAULT_KILL_DURING_WRITE=step-00000004/rank-00001`. The variable is
+/// read once, at the first commit(); unset, it costs one branch per commit.
 class AtomicFileWriter {
  public:
   /// Creates the temporary file next to `target`. The target's directory must

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <variant>
 
@@ -55,6 +56,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"optimizer", "weight_decay", &c.weight_decay, "weight decay"},
       {"optimizer", "momentum", &c.momentum, "SGD momentum"},
       {"optimizer", "max_grad_norm", &c.max_grad_norm, "global gradient-norm clipping (0: off)"},
+      {"optimizer", "max_nonfinite_steps", &c.max_nonfinite_steps,
+       "stop after this many steps in a row with non-finite gradients, each skipped (0: never stop)"},
       {"optimizer", "ema_decay", &c.ema_decay, "EMA of the weights, sharded like the optimizer (0: off)"},
       {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
       {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
@@ -191,6 +194,9 @@ void TrainConfig::validate() const {
   ZERO_CHECK(weight_decay >= 0, "weight_decay must be >= 0, got ", weight_decay);
   ZERO_CHECK(momentum >= 0 && momentum < 1, "momentum must be in [0, 1), got ", momentum);
   ZERO_CHECK(max_grad_norm >= 0, "max_grad_norm must be >= 0, got ", max_grad_norm);
+  ZERO_CHECK(max_nonfinite_steps >= 0 && max_nonfinite_steps <= std::numeric_limits<int>::max(),
+             "max_nonfinite_steps must be in [0, ", std::numeric_limits<int>::max(), "] (0: never stop), got ",
+             max_nonfinite_steps);
   ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "ema_decay must be in [0, 1), got ", ema_decay);
   ZERO_CHECK(stage >= 0 && stage <= 3, "stage must be 0, 1, 2 or 3, got ", stage);
   ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);

@@ -39,6 +39,7 @@ struct TrainConfig {
   bool scale_lr = false;               // lr x (world size x batch x accumulation)
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2, momentum = 0.9;
   double max_grad_norm = 1.0;          // 0: no clipping
+  std::int64_t max_nonfinite_steps = 20;  // steps in a row with non-finite gradients before stopping (0: never)
   double ema_decay = 0;                // 0: no EMA
   // [zero]
   std::int64_t stage = 2;

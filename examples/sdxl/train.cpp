@@ -32,6 +32,8 @@
 #include "unet_io.hpp"
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/io/atomic_file.hpp"
+#include "zero/io/checkpoint.hpp"
+#include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 #include "zero/torch/sharded_model.hpp"
 
@@ -70,110 +72,47 @@ UNetConfig resolve_model_config(const std::string& name) {
 zero::DType dtype_of(const std::string& precision) { return zero::parse_dtype(precision, "precision"); }
 
 // ------------------------------------------------------------------ checkpoints
-// output_dir/checkpoints/step-00000100/{rank-00000.safetensors ..., manifest.json}.
-// The manifest is written last, atomically, by rank 0 after every rank has
-// finished its file: a folder without it is an interrupted save and ignored.
+// output_dir/checkpoints/step-00000100/{rank-00000.safetensors ..., manifest.json}
+// (zero/io/checkpoint.hpp, docs/checkpoints.md). The manifest is written
+// last, atomically, by rank 0 after every rank has finished its file: a
+// folder without it is an interrupted save and ignored.
 
-fs::path checkpoint_dir(const TrainConfig& c, std::int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
-  return fs::path(c.output_dir) / "checkpoints" / name;
-}
-
-std::string rank_file(int rank) {
-  char name[48];
-  std::snprintf(name, sizeof name, "rank-%05d.safetensors", rank);
-  return name;
-}
-
-std::vector<std::pair<std::int64_t, fs::path>> complete_checkpoints(const TrainConfig& c) {
-  std::vector<std::pair<std::int64_t, fs::path>> found;
-  const fs::path root = fs::path(c.output_dir) / "checkpoints";
-  std::error_code ec;
-  if (!fs::is_directory(root, ec)) return found;
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step-", 0) != 0 || !fs::exists(entry.path() / "manifest.json")) continue;
-    found.emplace_back(std::stoll(name.substr(5)), entry.path());
-  }
-  std::sort(found.begin(), found.end());
-  return found;
-}
-
-// CRC32C of a whole file, read in 4 MiB pieces.
-std::uint32_t file_crc32c(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  ZERO_CHECK(in.good(), "cannot read ", path.string());
-  std::vector<char> buffer(std::size_t{4} << 20);
-  std::uint32_t crc = 0;
-  while (in) {
-    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-    const auto got = static_cast<std::size_t>(in.gcount());
-    if (got == 0) break;
-    crc = metrics::crc32c(std::as_bytes(std::span<const char>(buffer.data(), got)), crc);
-  }
-  return crc;
-}
-
-// Size and checksum of a checkpoint file against its manifest entry.
-void verify_checkpoint_file(const fs::path& dir, const nlohmann::json& manifest, int rank) {
-  const fs::path file = dir / rank_file(rank);
-  const auto& files = manifest.at("files");
-  ZERO_CHECK(rank < static_cast<int>(files.size()), dir.string(), "/manifest.json lists ", files.size(),
-             " files; rank ", rank, "'s is missing");
-  const auto& entry = files[static_cast<std::size_t>(rank)];
-  std::error_code ec;
-  const auto size = fs::file_size(file, ec);
-  if (ec) ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " is missing (", ec.message(), ")");
-  if (size != entry.value("bytes", std::uint64_t{0}))
-    ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " has ", size, " bytes, the manifest says ",
-               entry.value("bytes", std::uint64_t{0}), " (truncated or replaced)");
-  if (entry.contains("crc32c") && file_crc32c(file) != entry["crc32c"].get<std::uint32_t>())
-    ZERO_THROW(zero::IoError, "checkpoint file ", file.string(), " is corrupted: its CRC32C does not match the manifest");
-}
-
-// std::filesystem::remove_all is avoided: pip's LibTorch exports old
-// filesystem symbols that make it crash (see examples/sdxl/README.md).
-void remove_checkpoint(const fs::path& dir) {
-  std::error_code ec;
-  fs::remove(dir / "manifest.json", ec);  // first: the folder stops counting as complete
-  for (const auto& entry : fs::directory_iterator(dir, ec)) fs::remove(entry.path(), ec);
-  fs::remove(dir, ec);
-}
+fs::path checkpoints_root(const TrainConfig& c) { return fs::path(c.output_dir) / "checkpoints"; }
 
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
                      zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
-  const fs::path dir = checkpoint_dir(c, step);
+  const fs::path dir = zero::io::checkpoint_folder(checkpoints_root(c), step);
+  const std::string own = zero::io::rank_file_name(comm.rank());
   if (comm.rank() == 0) {
     fs::create_directories(dir);
     std::error_code ec;
-    fs::remove(dir / "manifest.json", ec);
+    fs::remove(dir / zero::io::kManifestName, ec);
   }
   host.barrier();
   std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
   for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
-  model.engine().save_state((dir / rank_file(comm.rank())).string(), metadata);
+  model.engine().save_state((dir / own).string(), metadata);
   // Every rank checksums its own file; rank 0 lists them all in the manifest.
-  std::uint32_t crc = file_crc32c(dir / rank_file(comm.rank()));
+  std::uint32_t crc = zero::io::file_crc32c(dir / own);
   std::vector<std::uint32_t> crcs(static_cast<std::size_t>(comm.size()));
   MPI_Request gather = MPI_REQUEST_NULL;
   ZERO_CHECK_MPI(MPI_Igather(&crc, 1, MPI_UINT32_T, crcs.data(), 1, MPI_UINT32_T, 0, host.mpi_comm(), &gather));
   host.wait_request(&gather, "checkpoint checksum gather");
   host.barrier();
   if (comm.rank() == 0) {
-    nlohmann::json files = nlohmann::json::array();
-    for (int r = 0; r < comm.size(); ++r)
-      files.push_back({{"file", rank_file(r)}, {"bytes", fs::file_size(dir / rank_file(r))},
-                       {"crc32c", crcs[static_cast<std::size_t>(r)]}});
-    const nlohmann::json manifest = {{"format", "zero.sdxl.checkpoint"}, {"version", 1}, {"step", step},
-                                     {"world_size", comm.size()}, {"stage", c.stage}, {"files", files},
-                                     {"config", c.to_toml()}};
-    const std::string text = manifest.dump(2) + "\n";
-    zero::io::write_file_atomically(dir / "manifest.json",
-                                    std::as_bytes(std::span<const char>(text.data(), text.size())));
-    auto all = complete_checkpoints(c);
-    for (std::size_t i = 0; i + static_cast<std::size_t>(c.keep_checkpoints) < all.size(); ++i)
-      remove_checkpoint(all[i].second);
+    zero::io::CheckpointManifest manifest;
+    zero::io::describe_engine(model.engine(), manifest);
+    manifest.step = step;
+    manifest.world_size = comm.size();
+    manifest.data_position = sampler.to_metadata();
+    manifest.seed = static_cast<std::uint64_t>(c.seed);  // noise and timesteps derive from (seed, step)
+    manifest.config = c.to_toml();
+    for (int r = 0; r < comm.size(); ++r) {
+      const std::string name = zero::io::rank_file_name(r);
+      manifest.files.push_back({name, fs::file_size(dir / name), crcs[static_cast<std::size_t>(r)]});
+    }
+    zero::io::write_manifest(dir, manifest);
+    zero::io::rotate_checkpoints(checkpoints_root(c), static_cast<std::size_t>(c.keep_checkpoints));
   }
   host.barrier();
 }
@@ -187,35 +126,28 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   if (c.resume.empty()) return {};
   fs::path dir = c.resume;
   if (c.resume == "latest") {
-    auto all = complete_checkpoints(c);
+    auto all = zero::io::list_complete_checkpoints(checkpoints_root(c));
     if (all.empty()) {
       if (comm.rank() == 0) std::printf("resume: no complete checkpoint under %s; starting fresh\n", c.output_dir.c_str());
       return {};
     }
-    dir = all.back().second;
+    dir = all.back().path;
   }
-  const fs::path manifest_path = dir / "manifest.json";
+  const fs::path manifest_path = dir / zero::io::kManifestName;
   ZERO_CHECK(fs::exists(manifest_path), "resume: ", manifest_path.string(),
              " is missing (an interrupted save, or not a checkpoint folder)");
-  std::ifstream in(manifest_path);
-  nlohmann::json manifest;
-  try {
-    manifest = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    ZERO_THROW(zero::IoError, manifest_path.string(), ": not valid JSON: ", e.what());
-  }
-  const int old_world = manifest.value("world_size", -1);
-  ZERO_CHECK(old_world >= 1, "resume: ", manifest_path.string(), " has no valid world_size");
-  const fs::path shard = dir / rank_file(std::min(comm.rank(), old_world - 1));
+  const zero::io::CheckpointManifest manifest = zero::io::read_manifest(manifest_path);
+  const int old_world = manifest.world_size;
+  const fs::path shard = dir / zero::io::rank_file_name(std::min(comm.rank(), old_world - 1));
   if (old_world == comm.size()) {
-    verify_checkpoint_file(dir, manifest, comm.rank());
-    model.engine().load_state((dir / rank_file(comm.rank())).string());
+    zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(comm.rank()));
+    model.engine().load_state((dir / zero::io::rank_file_name(comm.rank())).string());
   } else {
     // Another number of ranks: every rank reads its new slices from the old shards.
     std::vector<std::string> files;
     for (int r = 0; r < old_world; ++r) {
-      verify_checkpoint_file(dir, manifest, r);
-      files.push_back((dir / rank_file(r)).string());
+      zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(r));
+      files.push_back((dir / zero::io::rank_file_name(r)).string());
     }
     model.engine().load_state_resharded(files);
     if (comm.rank() == 0)
@@ -223,7 +155,7 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
                   old_world, comm.size());
   }
   Resumed r;
-  r.step = manifest.value("step", std::int64_t{0});
+  r.step = manifest.step;
   const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);
   r.sampler = data::SamplerState::from_metadata(file.metadata());
   if (comm.rank() == 0) std::printf("resumed from %s at step %lld\n", dir.string().c_str(), static_cast<long long>(r.step));

@@ -71,6 +71,32 @@ class CudaBackend final : public Backend {
     ZERO_CHECK_CUDA(cudaFree(pointer));
   }
 
+  void* allocate_host(std::size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    DeviceGuard guard(device_);
+    void* pointer = nullptr;
+    const cudaError_t status = cudaHostAlloc(&pointer, bytes, cudaHostAllocDefault);
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      ZERO_THROW(OutOfMemory, "cudaHostAlloc of ", bytes, " bytes (", format_gib(bytes),
+                 ") of pinned host memory failed (host RAM, or the locked-memory limit: ulimit -l)");
+    }
+    ZERO_CHECK_CUDA(status);
+    return pointer;
+  }
+
+  void deallocate_host(void* pointer, std::size_t) override {
+    if (pointer == nullptr) return;
+    DeviceGuard guard(device_);
+    ZERO_CHECK_CUDA(cudaFreeHost(pointer));
+  }
+
+  void wait_event(Event event) override {
+    ZERO_CHECK(event != nullptr, "wait_event: null event");
+    DeviceGuard guard(device_);
+    ZERO_CHECK_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  }
+
   Stream compute_stream() const override { return compute_; }
   Stream comm_stream() const override { return comm_; }
 
@@ -114,7 +140,7 @@ class CudaBackend final : public Backend {
     if (bytes == 0 || dst == src) return;
     DeviceGuard guard(device_);
     ZERO_CHECK_CUDA(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
   }
 
   // Synchronous by contract; cudaMemcpy on pageable memory is, and it only

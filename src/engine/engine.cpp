@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <limits>
 #include <functional>
@@ -33,6 +34,8 @@ void EngineOptions::validate() const {
   ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "EngineOptions.ema_decay must be in [0, 1) (0 disables), got ",
              ema_decay);
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
+  ZERO_CHECK(!offload_optimizer || stage >= 1, "EngineOptions.offload_optimizer needs stage 1, 2 or 3, got stage ",
+             stage, " (stage 0 keeps the whole optimizer on every rank)");
   optimizer.validate();
   if (effective_loss_scaling()) loss_scaler.validate();
 }
@@ -59,6 +62,13 @@ struct Engine::Impl {
   bool full_grads = false;        // backward writes into one full gradient buffer
   bool shard_accumulator = false; // reduced gradients accumulate in a shard buffer
   bool reduce_only_at_boundary = false;
+  bool offload = false;           // master, state0/1 and ema are pinned host memory
+
+  // Offload staging (pinned host): the reduced gradient shard copied down,
+  // and the updated model-dtype shard to copy back up.
+  std::byte* grad_host = nullptr;
+  std::byte* copy_host = nullptr;
+  std::array<std::size_t, kCategories> host_current{}, host_peak{};
 
   // Persistent buffers (backend memory).
   std::byte* params_full = nullptr;   // stages 0-2
@@ -129,10 +139,15 @@ struct Engine::Impl {
     const std::size_t optimizer_elements = stage == 0 ? full : shard;
     release_ptr(params_full, full * p_size);
     release_ptr(param_shard, shard * p_size);
-    release_ptr(master, optimizer_elements * 4);
-    release_ptr(state0, optimizer_elements * 4);
-    release_ptr(state1, optimizer_elements * 4);
-    release_ptr(ema, optimizer_elements * 4);
+    auto release_host = [&](void* p, std::size_t bytes) {
+      if (p) backend.deallocate_host(p, bytes);
+    };
+    for (float* state : {master, state0, state1, ema}) {
+      if (offload) release_host(state, optimizer_elements * 4);
+      else release_ptr(state, optimizer_elements * 4);
+    }
+    release_host(grad_host, shard * g_size);
+    release_host(copy_host, shard * p_size);
     release_ptr(grads_full, full * g_size);
     release_ptr(grad_shard, shard * g_size);
   }
@@ -149,6 +164,25 @@ struct Engine::Impl {
     backend.fill_zero(p, bytes, backend.compute_stream());
     count(c, static_cast<std::ptrdiff_t>(bytes));
     return static_cast<T*>(p);
+  }
+  template <typename T = std::byte>
+  T* allocate_host(Category c, std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    void* p = backend.allocate_host(bytes);
+    std::memset(p, 0, bytes);
+    host_current[c] += bytes;
+    host_peak[c] = std::max(host_peak[c], host_current[c]);
+    return static_cast<T*>(p);
+  }
+  // Reads and writes of fp32 state slices from host memory: a plain copy when
+  // the state is offloaded, a device transfer otherwise.
+  void state_to_host(void* host_dst, const void* state, std::size_t bytes) {
+    if (offload) std::memcpy(host_dst, state, bytes);
+    else backend.copy_to_host(host_dst, state, bytes);
+  }
+  void state_from_host(void* state, const void* host_src, std::size_t bytes) {
+    if (offload) std::memcpy(state, host_src, bytes);
+    else backend.copy_from_host(state, host_src, bytes);
   }
   /// A transient block, zeroed; free blocks of the same size are reused.
   std::byte* acquire(Category c, std::size_t bytes, Stream stream) {
@@ -196,6 +230,7 @@ struct Engine::Impl {
   /// The fp32 master values of this rank's slice of bucket b.
   float* master_slice(std::size_t b) const {
     const Bucket& bucket = layout.buckets()[b];
+    if (offload) return master + bucket.shard_offset;
     if (pdt != DType::fp32) {
       return master + (stage == 0 ? own_offset(b) : bucket.shard_offset);
     }
@@ -254,6 +289,60 @@ struct Engine::Impl {
     if (!full_grads && bucket_buffer[entry.bucket]) {
       give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size);
       bucket_buffer[entry.bucket] = nullptr;
+    }
+  }
+
+  /// The optimizer step with offloaded state (stages 1-3): per bucket, the
+  /// reduced gradient slice goes down to pinned host memory (comm stream),
+  /// the CPU updates master, state and EMA and writes the model-dtype copy,
+  /// which goes back up into this rank's slice; stages 1-2 then start the
+  /// bucket's all-gather (left in flight like the device path's). All
+  /// transfers are queued on the comm stream up front or as each bucket is
+  /// done, so bucket b's update overlaps b+1's download and b-1's upload.
+  void offload_step(const OptimizerOptions& opt, const StepScalars& scalars, double ema_decay,
+                    std::vector<WorkPtr>& gathers) {
+    const auto& buckets = layout.buckets();
+    const Stream transfer = backend.comm_stream();
+    // The last step's uploads read copy_host: they must be done before it is rewritten.
+    backend.synchronize(transfer);
+    std::vector<Event> down(buckets.size(), nullptr);
+    try {
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        const Bucket& bucket = buckets[b];
+        backend.copy(grad_host + bucket.shard_offset * g_size, reduced_grad(b), bucket.shard_size * g_size, transfer);
+        down[b] = backend.record_event(transfer);
+      }
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        const Bucket& bucket = buckets[b];
+        const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
+        backend.wait_event(down[b]);
+        backend.release_event(down[b]);
+        down[b] = nullptr;
+        ShardUpdate u;
+        u.master = master + at;
+        u.grad = grad_host + at * g_size;
+        u.grad_dtype = gdt;
+        u.state0 = state0 ? state0 + at : nullptr;
+        u.state1 = state1 ? state1 + at : nullptr;
+        u.model_copy = copy_host + at * p_size;
+        u.model_dtype = pdt;
+        u.count = n;
+        cpu_optimizer_step(opt, scalars, u, CpuKernel::vectorized);
+        if (ema) cpu_ema_update(ema + at, master + at, n, ema_decay);
+        std::byte* target = stage == 3 ? param_shard + at * p_size : params_full + own_offset(b) * p_size;
+        backend.copy(target, copy_host + at * p_size, n * p_size, transfer);
+        if (stage <= 2)
+          gathers[b] = comm.all_gather(params_full + own_offset(b) * p_size, params_full + bucket.offset * p_size, n,
+                                       pdt, transfer);
+      }
+    } catch (...) {
+      for (Event e : down) backend.release_event(e);
+      throw;
+    }
+    if (stage == 3) {  // the next forward's gathers read param_shard on the comm stream: already ordered
+      Event up = backend.record_event(transfer);
+      backend.stream_wait(backend.compute_stream(), up);
+      backend.release_event(up);
     }
   }
 
@@ -329,11 +418,21 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   const std::size_t optimizer_elements = m.stage == 0 ? full : shard;
   if (m.stage < 3) m.params_full = m.allocate(kParams, full * m.p_size);
   else m.param_shard = m.allocate(kParams, shard * m.p_size);
-  if (m.pdt != DType::fp32) m.master = m.allocate<float>(kMaster, optimizer_elements * 4);
   const int slots = options_.optimizer.state_slots();
-  if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
-  if (slots >= 2) m.state1 = m.allocate<float>(kState, optimizer_elements * 4);
-  if (options_.ema_decay > 0) m.ema = m.allocate<float>(kEma, optimizer_elements * 4);
+  m.offload = options_.offload_optimizer;
+  if (m.offload) {
+    m.master = m.allocate_host<float>(kMaster, shard * 4);  // also for fp32 parameters
+    if (slots >= 1) m.state0 = m.allocate_host<float>(kState, shard * 4);
+    if (slots >= 2) m.state1 = m.allocate_host<float>(kState, shard * 4);
+    if (options_.ema_decay > 0) m.ema = m.allocate_host<float>(kEma, shard * 4);
+    m.grad_host = m.allocate_host(kBuffers, shard * m.g_size);
+    m.copy_host = m.allocate_host(kBuffers, shard * m.p_size);
+  } else {
+    if (m.pdt != DType::fp32) m.master = m.allocate<float>(kMaster, optimizer_elements * 4);
+    if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
+    if (slots >= 2) m.state1 = m.allocate<float>(kState, optimizer_elements * 4);
+    if (options_.ema_decay > 0) m.ema = m.allocate<float>(kEma, optimizer_elements * 4);
+  }
   if (m.full_grads) m.grads_full = m.allocate(kGrads, full * m.g_size);
   if (m.shard_accumulator) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
 
@@ -378,12 +477,11 @@ void Engine::set_param(std::size_t param, const float* host_values) {
     m.backend.copy_from_host(m.param_shard + (bucket.shard_offset + lo - own) * m.p_size,
                              rounded.data() + (lo - slot.offset) * m.p_size, (hi - lo) * m.p_size);
   }
-  if (m.pdt == DType::fp32) return;
+  if (m.pdt == DType::fp32 && !m.offload) return;
   if (m.stage == 0) {
     m.backend.copy_from_host(m.master + slot.offset, host_values, slot.numel * 4);
   } else if (lo < hi) {
-    m.backend.copy_from_host(m.master + bucket.shard_offset + (lo - own), host_values + (lo - slot.offset),
-                             (hi - lo) * 4);
+    m.state_from_host(m.master + bucket.shard_offset + (lo - own), host_values + (lo - slot.offset), (hi - lo) * 4);
   }
 }
 
@@ -542,12 +640,20 @@ StepResult Engine::step() {
     if (m.ema && !m.ema_initialized) {  // the average starts at the weights before the first update
       if (m.stage == 0)
         be.copy(m.ema, copy ? m.master : reinterpret_cast<float*>(m.params_full), layout_.padded_numel() * 4, compute);
+      else if (m.offload)
+        std::memcpy(m.ema, m.master, layout_.shard_numel() * 4);
       else
         for (std::size_t b = 0; b < buckets.size(); ++b)
           be.copy(m.optimizer_slice(m.ema, b), m.master_slice(b), buckets[b].shard_size * 4, compute);
       m.ema_initialized = true;
     }
-    if (m.stage == 0) {
+    const double ema_decay = [&] {
+      const double t = static_cast<double>(step_);
+      return options_.ema_warmup ? std::min(options_.ema_decay, (1 + t) / (10 + t)) : options_.ema_decay;
+    }();
+    if (m.offload) {
+      m.offload_step(opt, scalars, ema_decay, m.param_gathers);
+    } else if (m.stage == 0) {
       // Every rank updates everything: it first needs every reduced slice.
       std::vector<WorkPtr> gathers;
       for (std::size_t b = 0; b < buckets.size(); ++b)
@@ -585,17 +691,17 @@ StepResult Engine::step() {
         be.optimizer_step(opt, scalars, u, compute);
       }
     }
-    if (m.ema) {
-      const double t = static_cast<double>(step_);
-      const double decay = options_.ema_warmup ? std::min(options_.ema_decay, (1 + t) / (10 + t)) : options_.ema_decay;
+    if (m.ema && !m.offload) {
       // Stage 0 updates every slice (it holds them all); the others their own.
       if (m.stage == 0) be.ema_update(m.ema, copy ? m.master : reinterpret_cast<float*>(m.params_full),
-                                      layout_.padded_numel(), decay, compute);
+                                      layout_.padded_numel(), ema_decay, compute);
       else
         for (std::size_t b = 0; b < buckets.size(); ++b)
-          be.ema_update(m.optimizer_slice(m.ema, b), m.master_slice(b), buckets[b].shard_size, decay, compute);
+          be.ema_update(m.optimizer_slice(m.ema, b), m.master_slice(b), buckets[b].shard_size, ema_decay, compute);
     }
-    if (m.stage != 0) {
+    if (m.offload) {
+      // offload_step brought the parameters back and started the gathers.
+    } else if (m.stage != 0) {
       if (m.stage <= 2) {
         // Bring every rank's updated slices back into the full parameters.
         Event updated = be.record_event(compute);
@@ -673,7 +779,13 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
     std::vector<WorkPtr> works;
     for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
       const Bucket& bucket = layout_.buckets()[b];
-      works.push_back(m.comm.all_gather(slice(b), gathered + bucket.offset, bucket.shard_size, DType::fp32,
+      const float* source = slice(b);
+      if (m.offload) {  // host memory: upload into this rank's place, then gather in place
+        float* own = gathered + m.own_offset(b);
+        be.copy(own, source, bucket.shard_size * 4, be.comm_stream());
+        source = own;
+      }
+      works.push_back(m.comm.all_gather(source, gathered + bucket.offset, bucket.shard_size, DType::fp32,
                                         be.comm_stream()));
     }
     for (auto& w : works) w->wait();
@@ -734,6 +846,25 @@ MemoryByCategory Engine::peak_memory() const {
           m.peak[kBuffers] + m.comm.peak_workspace_bytes()};
 }
 
+MemoryByCategory Engine::host_memory() const {
+  const Impl& m = *impl_;
+  return {m.host_current[kParams], m.host_current[kGrads], m.host_current[kMaster], m.host_current[kState],
+          m.host_current[kEma], m.host_current[kBuffers]};
+}
+
+MemoryByCategory Engine::predicted_host_state() const {
+  return host_model_state_bytes({.numel = layout_.padded_numel(),
+                                 .world_size = world_,
+                                 .stage = options_.stage,
+                                 .param_dtype = options_.param_dtype,
+                                 .grad_dtype = options_.effective_grad_dtype(),
+                                 .optimizer = options_.optimizer,
+                                 .accumulation = options_.accumulation,
+                                 .accumulation_steps = options_.accumulation_steps,
+                                 .ema = options_.ema_decay > 0,
+                                 .offload_optimizer = options_.offload_optimizer});
+}
+
 MemoryByCategory Engine::predicted_model_state() const {
   return model_state_bytes({.numel = layout_.padded_numel(),
                             .world_size = world_,
@@ -743,7 +874,8 @@ MemoryByCategory Engine::predicted_model_state() const {
                             .optimizer = options_.optimizer,
                             .accumulation = options_.accumulation,
                             .accumulation_steps = options_.accumulation_steps,
-                            .ema = options_.ema_decay > 0});
+                            .ema = options_.ema_decay > 0,
+                            .offload_optimizer = options_.offload_optimizer});
 }
 
 }  // namespace zero
@@ -785,7 +917,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
   auto collect = [&](auto slice_of) {
     std::vector<float> host(shard);
     for (std::size_t b = 0; b < layout_.buckets().size(); ++b)
-      be.copy_to_host(host.data() + layout_.buckets()[b].shard_offset, slice_of(b), layout_.buckets()[b].shard_size * 4);
+      m.state_to_host(host.data() + layout_.buckets()[b].shard_offset, slice_of(b), layout_.buckets()[b].shard_size * 4);
     return host;
   };
   std::vector<std::pair<std::string, std::vector<float>>> tensors;
@@ -977,7 +1109,7 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
   // Own slices first; stage 0 then gathers every rank's slices into its full buffers.
   auto restore = [&](const float* host, const std::function<float*(std::size_t)>& slice, float* full_base) {
     for (std::size_t b = 0; b < buckets.size(); ++b)
-      be.copy_from_host(slice(b), host + buckets[b].shard_offset, buckets[b].shard_size * 4);
+      m.state_from_host(slice(b), host + buckets[b].shard_offset, buckets[b].shard_size * 4);
     if (m.stage == 0 && full_base) {
       std::vector<WorkPtr> works;
       for (std::size_t b = 0; b < buckets.size(); ++b)
@@ -997,7 +1129,15 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
     m.ema_initialized = true;
   }
   // The model copy is the master rounded, as after every step.
-  if (!fp32) {
+  if (m.offload) {
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const std::size_t at = buckets[b].shard_offset;
+      cpu_convert(m.master + at, DType::fp32, m.copy_host + at * m.p_size, m.pdt, buckets[b].shard_size);
+      void* out = m.stage == 3 ? static_cast<void*>(m.param_shard + at * m.p_size)
+                               : static_cast<void*>(m.params_full + m.own_offset(b) * m.p_size);
+      be.copy(out, m.copy_host + at * m.p_size, buckets[b].shard_size * m.p_size, be.compute_stream());
+    }
+  } else if (!fp32) {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       void* out = m.stage == 3 ? static_cast<void*>(m.param_shard + buckets[b].shard_offset * m.p_size)
                                : static_cast<void*>(m.params_full + m.own_offset(b) * m.p_size);

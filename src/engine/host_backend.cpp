@@ -26,6 +26,9 @@ class HostBackend final : public Backend {
     return pointer;
   }
   void deallocate(void* pointer, std::size_t) override { std::free(pointer); }
+  void* allocate_host(std::size_t bytes) override { return allocate(bytes); }
+  void deallocate_host(void* pointer, std::size_t bytes) override { deallocate(pointer, bytes); }
+  void wait_event(Event) override {}
 
   Stream compute_stream() const override { return nullptr; }
   Stream comm_stream() const override { return nullptr; }

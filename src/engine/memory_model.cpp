@@ -30,7 +30,23 @@ MemoryByCategory model_state_bytes(const ModelStateConfig& c) {
   m.master = c.param_dtype == DType::fp32 ? 0 : optimizer_elements * 4;
   m.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * optimizer_elements * 4;
   m.ema = c.ema ? optimizer_elements * 4 : 0;
+  if (c.offload_optimizer) {
+    ZERO_CHECK(c.stage >= 1, "offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps a full optimizer on every rank)");
+    m.master = m.optimizer_state = m.ema = 0;
+  }
   return m;
+}
+
+MemoryByCategory host_model_state_bytes(const ModelStateConfig& c) {
+  MemoryByCategory h;
+  if (!c.offload_optimizer) return h;
+  (void)model_state_bytes(c);  // the same argument checks
+  const std::size_t shard = c.numel / static_cast<std::size_t>(c.world_size);
+  h.master = shard * 4;
+  h.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * shard * 4;
+  h.ema = c.ema ? shard * 4 : 0;
+  h.buffers = shard * (size_of(c.grad_dtype) + size_of(c.param_dtype));
+  return h;
 }
 
 std::string format_bytes(std::size_t bytes) {

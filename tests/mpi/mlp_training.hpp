@@ -100,6 +100,8 @@ struct Config {
   GradAccumulation mode = GradAccumulation::reduce_each_micro_step;
   OptimizerOptions optimizer{};
   double max_grad_norm = 0;
+  bool offload = false;  // EngineOptions::offload_optimizer
+  double ema_decay = 0;
 };
 
 inline EngineOptions engine_options(const Config& c, int stage) {
@@ -111,11 +113,13 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.optimizer = c.optimizer;
   o.max_grad_norm = c.max_grad_norm;
   o.alignment_elements = 4;
+  o.offload_optimizer = c.offload;
+  o.ema_decay = c.ema_decay;
   return o;
 }
 
 struct Trained {
-  std::vector<std::vector<float>> master, model;
+  std::vector<std::vector<float>> master, model, ema;
   std::vector<double> norms;
 };
 
@@ -170,7 +174,14 @@ inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Bac
   CHECK(live.grads == predicted.grads);
   CHECK(live.master == predicted.master);
   CHECK(live.optimizer_state == predicted.optimizer_state);
+  CHECK(live.ema == predicted.ema);
+  const MemoryByCategory host = engine.host_memory(), host_predicted = engine.predicted_host_state();
+  CHECK(host.master == host_predicted.master);
+  CHECK(host.optimizer_state == host_predicted.optimizer_state);
+  CHECK(host.ema == host_predicted.ema);
+  CHECK(host.buffers == host_predicted.buffers);
   out.master = engine.gather_master_params();
+  if (c.ema_decay > 0) out.ema = engine.gather_ema_params();
   out.model = engine.gather_model_params();
   return out;
 }

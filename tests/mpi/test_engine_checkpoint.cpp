@@ -22,8 +22,9 @@ std::vector<std::vector<ParamSpec>> units() {
   return {{{"a", 1000, {}}, {"b", 37, {}}}, {{"c", 4099, {}}}, {{"d", 3, {}}, {"e", 517, {}}}};
 }
 
-EngineOptions options(int stage, DType dtype) {
+EngineOptions options(int stage, DType dtype, bool offload = false) {
   EngineOptions o;
+  o.offload_optimizer = offload;
   o.stage = stage;
   o.param_dtype = dtype;
   o.alignment_elements = 8;
@@ -90,9 +91,13 @@ TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
       const auto want_master = straight.gather_master_params();
       const auto want_ema = straight.gather_ema_params();
       const auto want_model = straight.gather_model_params();
-      for (int resume_stage : {save_stage, (save_stage + 1) % 4}) {
+      // The same stage, the next one, and the optimizer offloaded to host memory.
+      const std::pair<int, bool> resumes[] = {{save_stage, false}, {(save_stage + 1) % 4, false},
+                                              {std::max(1, save_stage), true}};
+      for (const auto& [resume_stage, offload] : resumes) {
         CAPTURE(resume_stage);
-        Engine resumed(units(), options(resume_stage, dtype), comm, *backend);
+        CAPTURE(offload);
+        Engine resumed(units(), options(resume_stage, dtype, offload), comm, *backend);
         init(resumed);  // overwritten by the load
         resumed.load_state(path);
         CHECK(resumed.steps_applied() == 3);

@@ -99,6 +99,42 @@ TEST_CASE("per-rank memory equals the ZeRO formula at every stage") {
   }
 }
 
+TEST_CASE("offloaded optimizer: the state moves to host memory, by the formula") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  const std::size_t n = static_cast<std::size_t>(comm.size());
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (DType dtype : {DType::bf16, DType::fp32}) {
+      CAPTURE(stage);
+      CAPTURE(dtype);
+      EngineOptions o;
+      o.stage = stage;
+      o.param_dtype = dtype;
+      o.ema_decay = 0.99;
+      o.offload_optimizer = true;
+      Engine engine(awkward_units(), o, comm, *backend);
+      const std::size_t padded = engine.layout().padded_numel(), p = size_of(dtype);
+      const MemoryByCategory device = engine.memory(), host = engine.host_memory();
+      CHECK(device.master == 0);
+      CHECK(device.optimizer_state == 0);
+      CHECK(device.ema == 0);
+      CHECK(device.params == engine.predicted_model_state().params);
+      CHECK(device.grads == engine.predicted_model_state().grads);
+      CHECK(host.master == padded / n * 4);  // kept even for fp32 parameters
+      CHECK(host.optimizer_state == padded / n * 8);
+      CHECK(host.ema == padded / n * 4);
+      CHECK(host.buffers == padded / n * 2 * p);  // gradient shard down, model shard up
+      const MemoryByCategory predicted = engine.predicted_host_state();
+      CHECK(host.master == predicted.master);
+      CHECK(host.optimizer_state == predicted.optimizer_state);
+      CHECK(host.ema == predicted.ema);
+      CHECK(host.buffers == predicted.buffers);
+      run_one_step(engine);
+      CHECK(engine.host_memory().total() == host.total());
+    }
+  }
+}
+
 TEST_CASE("ranks that disagree on the model get a clear error on every rank") {
   MpiCommunicator comm;
   auto backend = make_host_backend();

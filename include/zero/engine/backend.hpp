@@ -41,7 +41,17 @@ class Backend {
   /// Blocks the host until the stream's work is done.
   virtual void synchronize(Stream stream) = 0;
 
+  /// Page-locked host memory (cudaHostAlloc on CUDA, plain aligned memory on
+  /// the host backend) for offloaded optimizer state and staging: the device
+  /// copies to and from it asynchronously. Throws zero::OutOfMemory.
+  virtual void* allocate_host(std::size_t bytes) = 0;
+  virtual void deallocate_host(void* pointer, std::size_t bytes) = 0;
+  /// Blocks the host until `event` has completed (host backend: returns).
+  virtual void wait_event(Event event) = 0;
+
   virtual void fill_zero(void* data, std::size_t bytes, Stream stream) = 0;
+  /// Stream-ordered copy; either side may also be allocate_host() memory
+  /// (device <-> pinned host, the direction inferred from the pointers).
   virtual void copy(void* dst, const void* src, std::size_t bytes, Stream stream) = 0;
   /// Host <-> backend memory (checkpoints, tests, user I/O); synchronous.
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;

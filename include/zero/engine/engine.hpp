@@ -70,6 +70,13 @@ struct EngineOptions {
   /// Steps with non-finite gradients in a row before step() throws (0 = never).
   /// Each such step is skipped and counted either way.
   int max_consecutive_nonfinite = 0;
+  /// ZeRO-Offload (stages 1-3): this rank's fp32 master weights, optimizer
+  /// state and EMA live in pinned host memory. At step() the reduced
+  /// gradient shard is copied down bucket by bucket, the CPU optimizer
+  /// (vectorized, multi-threaded; bit-identical to the device kernels)
+  /// updates it, and the new model-dtype values go back up and are
+  /// all-gathered, each bucket's copies overlapping the next one's update.
+  bool offload_optimizer = false;
 
   DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
   bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
@@ -177,6 +184,11 @@ class Engine {
   MemoryByCategory peak_memory() const;
   /// What model_state_bytes() predicts for this engine's padded layout.
   MemoryByCategory predicted_model_state() const;
+  /// Host (pinned) bytes the engine holds: offloaded master, state, EMA and
+  /// staging buffers; all zero without offload_optimizer.
+  MemoryByCategory host_memory() const;
+  /// The memory model's prediction of host_memory().
+  MemoryByCategory predicted_host_state() const;
 
  private:
   struct Impl;

@@ -42,6 +42,9 @@ struct ModelStateConfig {
   GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
   int accumulation_steps = 1;
   bool ema = false;  // an fp32 EMA of the weights, sharded like the master weights
+  /// ZeRO-Offload: master weights, optimizer state and EMA (this rank's
+  /// shard) in pinned host memory, updated by the CPU optimizer; stages 1-3.
+  bool offload_optimizer = false;
 };
 
 /// Persistent model-state bytes per rank (no transient buffers):
@@ -52,7 +55,15 @@ struct ModelStateConfig {
 ///   state:  K·Ψ·4 at stage 0, K·Ψ·4/N at stages 1-3 (K = state slots)
 ///   ema:    Ψ·4 at stage 0, Ψ·4/N at stages 1-3, when enabled
 /// numel must be a multiple of world_size (padded).
+/// With offload_optimizer these are the device bytes: master, state and ema
+/// are 0 (they live in host memory, see host_model_state_bytes).
 MemoryByCategory model_state_bytes(const ModelStateConfig& config);
+
+/// Host (pinned) bytes per rank; all zero without offload_optimizer. With it:
+///   master: Ψ·4/N (kept even for fp32 parameters), state: K·Ψ·4/N,
+///   ema: Ψ·4/N when enabled, buffers: Ψ·(g + p)/N (the gradient shard
+///   copied down and the updated model-dtype shard copied back up).
+MemoryByCategory host_model_state_bytes(const ModelStateConfig& config);
 
 /// "params 1.00 GiB, grads ..." for logs.
 std::string format_memory(const MemoryByCategory& memory);

@@ -40,6 +40,7 @@
 #if defined(ZERO_WITH_CUDA) && __has_include(<ATen/cuda/CUDAContext.h>)
 #define ZERO_TRAIN_CUDA 1
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 
@@ -216,6 +217,66 @@ std::optional<NanGradFault> nan_grad_fault_from_env(int world) {
   return f;
 }
 
+// ------------------------------------------------------------------ GPU memory cap
+// --max_gpu_memory makes a big GPU behave like a smaller card: the run fails
+// before training when the model state alone cannot fit, and LibTorch's
+// caching allocator gets what is left of the cap once the CUDA context, NCCL
+// and the engine's persistent buffers (cudaMalloc, outside the allocator)
+// are in place, minus the engine's transient buffers to come.
+
+std::string memory_suggestion(const TrainConfig& c, int world) {
+  std::string s;
+  if (c.stage < 3 && world > 1) s += " a higher ZeRO stage (stage = 3 shards everything),";
+  if (!c.offload_optimizer) s += " offload_optimizer = true (master, optimizer state and EMA to host memory; stages 1-3),";
+  if (!c.activation_checkpointing) s += " activation_checkpointing = true,";
+  if (c.batch_size > 1) s += " a smaller batch_size with accumulation,";
+  s += " or more GPUs";
+  return s;
+}
+
+/// Before the engine exists: its persistent model state by the memory model.
+void check_model_state_fits(const TrainConfig& c, std::size_t cap, const zero::ModelStateConfig& state) {
+  const zero::MemoryByCategory need = zero::model_state_bytes(state);
+  if (need.total() >= cap)
+    ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": the model state alone needs ",
+               zero::format_bytes(need.total()), " per GPU at stage ", c.stage,
+               c.offload_optimizer ? " with the optimizer offloaded" : "", " (", zero::format_memory(need),
+               "); it cannot fit. Try", memory_suggestion(c, state.world_size), ".");
+}
+
+#ifdef ZERO_TRAIN_CUDA
+void apply_gpu_memory_cap(const TrainConfig& c, const zero::Engine& engine, int device, int world, bool leader) {
+  const std::size_t cap = zero::parse_bytes(c.max_gpu_memory, "max_gpu_memory");
+  ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  std::size_t free_bytes = 0, total_bytes = 0;
+  ZERO_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const std::size_t outside = total_bytes - free_bytes;  // context, NCCL, the engine's buffers
+  std::size_t largest = 0;
+  for (const zero::Bucket& b : engine.layout().buckets()) largest = std::max(largest, b.padded);
+  const auto& o = engine.options();
+  const std::size_t g = zero::size_of(o.effective_grad_dtype()), p = zero::size_of(o.param_dtype);
+  // Gradient bucket buffers in flight plus the two the engine caches (stages
+  // 2-3); the gathered unit and its prefetch (stage 3).
+  std::size_t transient = o.stage >= 2 ? static_cast<std::size_t>(o.max_reductions_in_flight + 2) * largest * g : 0;
+  if (o.stage == 3) transient += 2 * largest * p;
+  if (outside + transient >= cap)
+    ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", zero::format_bytes(outside),
+               " are in use before training (CUDA context, NCCL, the engine's model state: ",
+               zero::format_memory(engine.memory()), ") and the engine's transient buffers need up to ",
+               zero::format_bytes(transient), "; nothing is left for activations. Try",
+               memory_suggestion(c, world), ".");
+  const std::size_t for_torch = cap - outside - transient;
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(static_cast<double>(for_torch) / static_cast<double>(total_bytes),
+                                                     device);
+  if (leader)
+    std::printf("GPU memory cap %s: %s in use before training, up to %s for the engine's transient buffers, %s for "
+                "LibTorch (activations)\n",
+                zero::format_bytes(cap).c_str(), zero::format_bytes(outside).c_str(),
+                zero::format_bytes(transient).c_str(), zero::format_bytes(for_torch).c_str());
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -278,7 +339,23 @@ int main(int argc, char** argv) {
                          .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
     options.ema_decay = cfg.ema_decay;
     options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
+    options.offload_optimizer = cfg.offload_optimizer;
+    if (!cfg.max_gpu_memory.empty()) {
+      std::size_t numel = 0;
+      for (const auto& u : units)
+        for (const auto& [n, t] : u.params) numel += static_cast<std::size_t>(t.numel());
+      numel = (numel + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world) * static_cast<std::size_t>(world);
+      check_model_state_fits(cfg, zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory"),
+                             {.numel = numel, .world_size = world, .stage = options.stage,
+                              .param_dtype = options.param_dtype, .grad_dtype = options.effective_grad_dtype(),
+                              .optimizer = options.optimizer, .accumulation = options.accumulation,
+                              .accumulation_steps = options.accumulation_steps, .ema = options.ema_decay > 0,
+                              .offload_optimizer = options.offload_optimizer});
+    }
     zero::adapter::ShardedModel sharded(std::move(units), options, comm, *backend);
+#ifdef ZERO_TRAIN_CUDA
+    if (!cfg.max_gpu_memory.empty()) apply_gpu_memory_cap(cfg, sharded.engine(), device.index(), world, leader);
+#endif
     model->set_activation_checkpointing(cfg.activation_checkpointing);
     model->set_unit_runner([&sharded](std::size_t unit, const variable_list& inputs, const UNet2DConditionModelImpl::UnitBody& body,
                                       bool recompute) { return sharded.run_unit(unit, inputs, body, recompute); });
@@ -303,6 +380,9 @@ int main(int argc, char** argv) {
       std::printf("UNet: %zu parameters in %zu units; stage %lld; model state per rank: %s\n",
                   sharded.engine().layout().param_numel(), sharded.unit_count(), static_cast<long long>(cfg.stage),
                   zero::format_memory(m).c_str());
+      if (cfg.offload_optimizer)
+        std::printf("optimizer offloaded: pinned host memory per rank: %s\n",
+                    zero::format_memory(sharded.engine().host_memory()).c_str());
     }
 
     // ---------------------------------------------------------------- data

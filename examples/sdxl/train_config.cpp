@@ -1,5 +1,7 @@
 #include "train_config.hpp"
 
+#include "zero/engine/memory_model.hpp"
+
 #define TOML_HEADER_ONLY 1
 #define TOML_EXCEPTIONS 1
 #include <toml++/toml.h>
@@ -62,6 +64,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
       {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
       {"zero", "accumulation_mode", &c.accumulation_mode, "each (reduce every micro-step) or boundary"},
+      {"zero", "offload_optimizer", &c.offload_optimizer,
+       "keep master weights, optimizer state and EMA in pinned host memory, updated by the CPU (stages 1-3)"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
       {"output", "log_every", &c.log_every, "steps between log lines"},
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
@@ -72,6 +76,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
       {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
       {"device", "device", &c.device, "cpu or cuda"},
+      {"device", "max_gpu_memory", &c.max_gpu_memory,
+       "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
   };
 }
 
@@ -201,6 +207,11 @@ void TrainConfig::validate() const {
   ZERO_CHECK(stage >= 0 && stage <= 3, "stage must be 0, 1, 2 or 3, got ", stage);
   ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
+  ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);
+  if (!max_gpu_memory.empty()) {
+    ZERO_CHECK(device == "cuda", "max_gpu_memory applies to device = \"cuda\" only");
+    ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");
+  }
   ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
   ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);

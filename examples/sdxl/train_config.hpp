@@ -45,6 +45,7 @@ struct TrainConfig {
   std::int64_t stage = 2;
   double bucket_mib = 32;
   std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
+  bool offload_optimizer = false;      // master, optimizer state, EMA in pinned host memory (stages 1-3)
   // [output]
   std::string output_dir = "runs/sdxl";
   std::int64_t log_every = 1;
@@ -57,6 +58,7 @@ struct TrainConfig {
   bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
   // [device]
   std::string device = "cpu";          // cpu, cuda
+  std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
 
   /// Throws zero::InvalidArgument naming the first key that is out of range.
   void validate() const;

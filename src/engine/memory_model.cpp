@@ -1,6 +1,9 @@
 #include "zero/engine/memory_model.hpp"
 
+#include <cctype>
+#include <cmath>
 #include <cstdio>
+#include <string>
 #include <sstream>
 
 namespace zero {
@@ -47,6 +50,31 @@ MemoryByCategory host_model_state_bytes(const ModelStateConfig& c) {
   h.ema = c.ema ? shard * 4 : 0;
   h.buffers = shard * (size_of(c.grad_dtype) + size_of(c.param_dtype));
   return h;
+}
+
+std::size_t parse_bytes(const std::string& text, const std::string& what) {
+  auto fail = [&]() -> std::size_t {
+    ZERO_THROW(InvalidArgument, what, ": expected a size such as 24GiB, 12G, 500MiB or a byte count, got \"", text,
+               "\"");
+  };
+  std::size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    return fail();
+  }
+  std::string unit = text.substr(pos);
+  unit.erase(0, unit.find_first_not_of(' '));
+  for (char& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  double scale = 0;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KIB" || unit == "KB") scale = 1024.0;
+  else if (unit == "M" || unit == "MIB" || unit == "MB") scale = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GIB" || unit == "GB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TIB" || unit == "TB") scale = 1024.0 * 1024 * 1024 * 1024;
+  if (scale == 0 || !std::isfinite(value) || value < 0 || value * scale > 1.8e19) return fail();
+  return static_cast<std::size_t>(value * scale);
 }
 
 std::string format_bytes(std::size_t bytes) {

@@ -68,5 +68,9 @@ MemoryByCategory host_model_state_bytes(const ModelStateConfig& config);
 /// "params 1.00 GiB, grads ..." for logs.
 std::string format_memory(const MemoryByCategory& memory);
 std::string format_bytes(std::size_t bytes);
+/// "24GiB", "12 GiB", "500MiB", "1.5G", "4096" (bytes) -> bytes; binary
+/// units (K/M/G/T with or without "iB", or "B"). Throws InvalidArgument
+/// naming `what` (e.g. "--max_gpu_memory") and the expected form.
+std::size_t parse_bytes(const std::string& text, const std::string& what);
 
 }  // namespace zero

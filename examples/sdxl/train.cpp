@@ -45,6 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include "zero/comm/nccl_communicator.hpp"
+#include "zero/cuda/check.hpp"
 #include "zero/comm/staged_communicator.hpp"
 #include "zero/cuda/cuda_backend.hpp"
 #endif

@@ -43,35 +43,44 @@ std::string temp_suffix() {
   return buffer;
 }
 
-// ZERO_FAULT_KILL_DURING_WRITE=<substring>[:<nth>] (see the header): parsed
-// once; a malformed value is reported and ignored rather than thrown, since a
-// test hook must not change how a correct program fails.
-struct KillDuringWrite {
+// ZERO_FAULT_KILL_DURING_WRITE / ZERO_FAULT_STOP_DURING_WRITE =
+// <substring>[:<nth>] (see the header): parsed once; a malformed value is
+// reported and ignored rather than thrown, since a test hook must not change
+// how a correct program fails.
+struct WriteFault {
+  const char* variable = nullptr;
+  int signal = SIGKILL;
   std::string substring;
   long nth = 1;
   std::atomic<long> matched{0};
 };
 
-KillDuringWrite* kill_during_write() {
-  static KillDuringWrite* const fault = []() -> KillDuringWrite* {
-    const char* text = std::getenv("ZERO_FAULT_KILL_DURING_WRITE");
-    if (text == nullptr || *text == '\0') return nullptr;
-    auto* f = new KillDuringWrite;  // lives until exit; the hook may fire at any time
-    std::string value = text;
-    if (const auto colon = value.rfind(':'); colon != std::string::npos) {
-      char* end = nullptr;
-      const long nth = std::strtol(value.c_str() + colon + 1, &end, 10);
-      if (end == value.c_str() + colon + 1 || *end != '\0' || nth < 1) {
-        std::fprintf(stderr, "[zero] ignoring ZERO_FAULT_KILL_DURING_WRITE='%s': expected <substring>[:<nth>], nth >= 1\n",
-                     text);
-        delete f;
-        return nullptr;
-      }
-      f->nth = nth;
-      value.resize(colon);
+WriteFault* parse_write_fault(const char* variable, int signal) {
+  const char* text = std::getenv(variable);
+  if (text == nullptr || *text == '\0') return nullptr;
+  std::string value = text;
+  long nth = 1;
+  if (const auto colon = value.rfind(':'); colon != std::string::npos) {
+    char* end = nullptr;
+    nth = std::strtol(value.c_str() + colon + 1, &end, 10);
+    if (end == value.c_str() + colon + 1 || *end != '\0' || nth < 1) {
+      std::fprintf(stderr, "[zero] ignoring %s='%s': expected <substring>[:<nth>], nth >= 1\n", variable, text);
+      return nullptr;
     }
-    f->substring = value;
-    return f;
+    value.resize(colon);
+  }
+  auto* fault = new WriteFault;  // lives until exit: the hook may fire at any time
+  fault->variable = variable;
+  fault->signal = signal;
+  fault->substring = value;
+  fault->nth = nth;
+  return fault;
+}
+
+WriteFault* write_fault() {
+  static WriteFault* const fault = [] {
+    WriteFault* kill = parse_write_fault("ZERO_FAULT_KILL_DURING_WRITE", SIGKILL);
+    return kill != nullptr ? kill : parse_write_fault("ZERO_FAULT_STOP_DURING_WRITE", SIGSTOP);
   }();
   return fault;
 }
@@ -162,14 +171,19 @@ void AtomicFileWriter::write(const void* data, std::size_t size) {
 void AtomicFileWriter::commit() {
   ZERO_CHECK(fd_ >= 0 && !committed_ && !failed_, "AtomicFileWriter: commit of '",
              target_.string(), "' twice, after a failure or after a move");
-  if (KillDuringWrite* fault = kill_during_write();
+  if (WriteFault* fault = write_fault();
       fault != nullptr && target_.string().find(fault->substring) != std::string::npos &&
       ++fault->matched == fault->nth) {
-    std::fprintf(stderr, "[zero] ZERO_FAULT_KILL_DURING_WRITE: killing process %ld while writing '%s' (%zu of %zu bytes in '%s')\n",
-                 static_cast<long>(::getpid()), target_.c_str(), bytes_written_ / 2, bytes_written_, temp_.c_str());
+    std::fprintf(stderr, "[zero] %s: %s process %ld while writing '%s' (%zu of %zu bytes in '%s')\n",
+                 fault->variable, fault->signal == SIGKILL ? "killing" : "stopping", static_cast<long>(::getpid()),
+                 target_.c_str(), fault->signal == SIGKILL ? bytes_written_ / 2 : bytes_written_, bytes_written_,
+                 temp_.c_str());
     std::fflush(stderr);
-    if (::ftruncate(fd_, static_cast<off_t>(bytes_written_ / 2)) != 0) std::perror("[zero] ftruncate");
-    ::kill(::getpid(), SIGKILL);
+    // Killed: what a process dying halfway leaves. Stopped: the data stays
+    // whole, so that a process continued with SIGCONT commits a correct file.
+    if (fault->signal == SIGKILL && ::ftruncate(fd_, static_cast<off_t>(bytes_written_ / 2)) != 0)
+      std::perror("[zero] ftruncate");
+    ::kill(::getpid(), fault->signal);
   }
   int rc;
   do {

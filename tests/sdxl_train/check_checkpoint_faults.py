@@ -11,7 +11,9 @@ a. Killed during a save (ZERO_FAULT_KILL_DURING_WRITE, see
    rank 0 while it writes manifest.json. mpirun exits non-zero within the
    communicator timeout; the step-4 folder has no manifest and no partial file
    under a final name; --resume latest resumes from step 2 and its losses equal
-   an uninterrupted run's bit for bit.
+   an uninterrupted run's bit for bit. Rank 1 stopped (SIGSTOP,
+   ZERO_FAULT_STOP_DURING_WRITE) in its shard: rank 0's wait in the save ends
+   by the communicator timeout and every rank exits.
 b. Read-only target: the checkpoints folder is a tmpfs remounted read-only
    after the step-2 save; the step-4 save fails naming the path and the cause,
    every rank exits non-zero within the timeout; step 2 resumes after remounting
@@ -293,6 +295,19 @@ for what, target, victim_file in (("kill rank 1 in its shard", "step-00000004/ra
         check(all(safetensors_complete(os.path.join(ckpt(out, 4), f"rank-{r:05d}.safetensors")) for r in (0, 1)),
               f"{what}: both shards of step 4 were complete (only the manifest was missing)")
     check_resume(out, reference, what)
+
+# a'. Rank 1 hangs (SIGSTOP) while writing its shard: rank 0 waits for it in the
+# save's checksum gather, and only the communicator timeout can end the run.
+if "a" in CASES:
+    what = "rank 1 hangs in its shard"
+    out = fresh("hung-rank-00001")
+    run = Run(out, env={"ZERO_FAULT_STOP_DURING_WRITE": "step-00000004/rank-00001.safetensors"},
+              failure="ZERO_FAULT_STOP_DURING_WRITE: stopping")
+    check_failed_run(run, out, what, r"did not complete within", says="is the communicator timeout's")
+    check(run.exit_after_failure is not None and run.exit_after_failure >= TIMEOUT_S - 1,
+          f"{what}: the run ended by the {TIMEOUT_S} s timeout, not before")
+    check(checkpoint_complete(out, 2), f"{what}: the step-2 checkpoint is complete")
+    check_interrupted_folder(out, 4, what)
 
 # b. Read-only checkpoints folder.
 mount_ok = can_mount()

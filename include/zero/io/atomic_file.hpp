@@ -31,8 +31,12 @@ namespace zero::io {
 /// sends SIGKILL to its own process at commit(), before the rename: what a
 /// process killed halfway through writing leaves on disk. Example, rank 1
 /// killed while writing its shard of the step-4 checkpoint:
-/// `ZERO_FAULT_KILL_DURING_WRITE=step-00000004/rank-00001`. The variable is
-/// read once, at the first commit(); unset, it costs one branch per commit.
+/// `ZERO_FAULT_KILL_DURING_WRITE=step-00000004/rank-00001`.
+/// `ZERO_FAULT_STOP_DURING_WRITE` (same syntax) sends SIGSTOP instead and
+/// leaves the file whole: a process hung in its write (a dead disk or network
+/// mount), for timeout tests; continued with SIGCONT it commits normally. The
+/// variables are read once, at the first commit(); unset, they cost one
+/// branch per commit.
 class AtomicFileWriter {
  public:
   /// Creates the temporary file next to `target`. The target's directory must

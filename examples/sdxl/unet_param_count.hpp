@@ -1,0 +1,31 @@
+// Parameter counts of the SDXL UNet from its config alone, without building
+// the model (no LibTorch): per stage-3 unit, per tensor, in the order
+// UNet2DConditionModelImpl::units() lists them. The memory planner (zero-plan)
+// uses them for the engine's exact padded layout; tests/sdxl holds them equal
+// to the real model's.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "unet_config.hpp"
+
+namespace sdxl {
+
+struct UnitParameterCount {
+  std::string name;                   // "embed", "down_blocks.0", ..., "mid_block", "up_blocks.0", ..., "head"
+  std::vector<std::int64_t> tensors;  // element counts in named_parameters() order
+  /// Recomputed in backward under activation checkpointing (the down, mid
+  /// and up blocks; not embed and head).
+  bool checkpointed = true;
+  std::int64_t total() const;
+};
+
+/// One entry per unit of UNet2DConditionModelImpl::units(), in that order.
+std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& config);
+
+/// Sum over all units: 2,567,463,684 for UNetConfig::sdxl_base().
+std::int64_t count_parameters(const UNetConfig& config);
+
+}  // namespace sdxl

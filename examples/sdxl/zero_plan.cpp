@@ -1,0 +1,179 @@
+// zero-plan: predicts per-GPU and per-host memory of a zero training run by
+// category, and with --fit proposes the fastest configuration that fits a
+// GPU. The model, its calibration and its limits: docs/planner.md.
+//
+//   zero-plan --unet-config sdxl-base --stage 2 --ema --batch 8 --checkpointing
+//   zero-plan --unet-config sdxl-base --ema --fit 24GiB
+//   zero-plan --params 7e9 --world-size 8 --stage 3 --json
+//
+// Exit status: 0 (with --fit: a configuration fits), 3 nothing fits, 1 errors.
+
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "unet_config.hpp"
+#include "unet_param_count.hpp"
+#include "zero/core/error.hpp"
+#include "zero/engine/memory_model.hpp"
+#include "zero/engine/planner.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kNothingFits = 3;
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  ZERO_CHECK(in.good(), "--unet-config: cannot read '", path.string(), "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// "sdxl-base", a diffusers config.json, or a model folder with config.json
+/// (or unet/config.json).
+sdxl::UNetConfig unet_config_of(const std::string& name) {
+  if (name == "sdxl-base") return sdxl::UNetConfig::sdxl_base();
+  const fs::path path(name);
+  ZERO_CHECK(fs::exists(path), "--unet-config: '", name, "' is neither sdxl-base nor an existing file or folder");
+  if (fs::is_directory(path)) {
+    for (const fs::path& candidate : {path / "config.json", path / "unet" / "config.json"})
+      if (fs::is_regular_file(candidate)) return sdxl::UNetConfig::from_json(read_text(candidate));
+    ZERO_THROW(zero::InvalidArgument, "--unet-config: folder '", name, "' has no config.json or unet/config.json");
+  }
+  return sdxl::UNetConfig::from_json(read_text(path));
+}
+
+/// A positive size: "24GiB", "12G", "500MiB" (binary units, as the trainer's max_gpu_memory).
+std::size_t parse_size(const std::string& text, const std::string& option) {
+  const std::size_t bytes = zero::parse_bytes(text, option);
+  ZERO_CHECK(bytes > 0, option, ": must be more than 0 bytes, got \"", text, "\"");
+  return bytes;
+}
+
+std::size_t parse_count(const std::string& text) {
+  // 2567463684, 2.6e9: a positive number of parameters.
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  ZERO_CHECK(end != text.c_str() && *end == '\0' && std::isfinite(value) && value >= 1,
+             "--params: '", text, "' is not a positive parameter count (e.g. 2567463684 or 2.6e9)");
+  return static_cast<std::size_t>(std::llround(value));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"zero-plan: per-GPU and per-host memory of a zero training run, and the fastest configuration "
+               "that fits (docs/planner.md)"};
+  std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
+  std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
+  int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
+  std::int64_t latent_size = 128;
+  double bucket_mib = 32, margin = 0.05;
+  bool ema = false, offload = false, checkpointing = false, json_output = false, fp32_accumulate = false;
+  auto* params_option = app.add_option("--params", params_text, "parameter count (e.g. 2.6e9), grouped into buckets");
+  auto* unet_option = app.add_option("--unet-config", unet_config,
+                                     "sdxl-base, a diffusers UNet config.json, or a model folder: one unit per block");
+  params_option->excludes(unet_option);
+  app.add_option("--world-size", world_size, "GPUs (ranks) N")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--gpus-per-host", gpus_per_host, "ranks sharing one host's memory")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--stage", stage, "ZeRO stage 0-3")->capture_default_str()->check(CLI::Range(0, 3));
+  app.add_option("--precision", precision, "bf16, fp16 or fp32 (parameters and gradients)")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  app.add_option("--optimizer", optimizer, "adamw, lion or sgd (with momentum)")
+      ->capture_default_str()->check(CLI::IsMember({"adamw", "lion", "sgd"}));
+  app.add_flag("--ema", ema, "an fp32 EMA of the weights");
+  app.add_flag("--offload-optimizer", offload, "master, optimizer state and EMA in pinned host memory (stages 1-3)");
+  app.add_option("--batch", batch, "samples per GPU and micro-step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--accumulation", accumulation, "micro-steps per step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--accumulation-mode", accumulation_mode, "each (reduce every micro-step) or boundary")
+      ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
+  app.add_flag("--checkpointing", checkpointing, "activation checkpointing (recompute each block in backward)");
+  app.add_option("--latent-size", latent_size, "latent height = width (128 = 1024x1024 pixels)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--bucket-mib", bucket_mib, "bucket size with --params")->capture_default_str();
+  app.add_option("--max-reductions-in-flight", in_flight, "engine option")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--fp32-accumulate", fp32_accumulate, "NCCL half reductions through fp32 scratch");
+  app.add_option("--activation-per-sample", per_sample_text, "override: activation bytes per sample (e.g. 2GiB)");
+  app.add_option("--activation-fixed", fixed_text, "override: activation bytes independent of the batch");
+  app.add_option("--runtime-overhead", overhead_text, "override: CUDA context + libraries + allocator slack per GPU");
+  app.add_option("--fit", fit_text, "GPU memory (e.g. 24GiB, 80G): propose the fastest configuration that fits");
+  app.add_option("--host-memory", host_text, "with --fit: pinned host memory per host (e.g. 512GiB)");
+  app.add_option("--margin", margin, "with --fit: safety margin (fraction of the GPU kept free)")->capture_default_str();
+  app.add_flag("--json", json_output, "JSON instead of the table");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    ZERO_CHECK(!params_text.empty() || !unet_config.empty(), "give --params N or --unet-config NAME");
+    zero::plan::PlanInput in;
+    const double area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
+    if (!unet_config.empty()) {
+      const sdxl::UNetConfig config = unet_config_of(unet_config);
+      for (const sdxl::UnitParameterCount& unit : sdxl::count_unit_parameters(config)) {
+        zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed};
+        for (std::int64_t t : unit.tensors) u.tensors.push_back(static_cast<std::size_t>(t));
+        in.units.push_back(std::move(u));
+      }
+      const std::size_t count = static_cast<std::size_t>(sdxl::count_parameters(config));
+      in.model_name = unet_config;
+      in.activations = config == sdxl::UNetConfig::sdxl_base() ? zero::plan::ActivationModel::sdxl_unet()
+                                                               : zero::plan::ActivationModel::scaled_from_sdxl(count);
+    } else {
+      in.param_count = parse_count(params_text);
+      in.model_name = params_text + " parameters";
+      in.activations = zero::plan::ActivationModel::scaled_from_sdxl(in.param_count);
+    }
+    in.activations.area_scale = area_scale;
+    if (!per_sample_text.empty() || !fixed_text.empty()) {
+      const double per_sample =
+          per_sample_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(per_sample_text, "--activation-per-sample"));
+      const double fixed =
+          fixed_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(fixed_text, "--activation-fixed"));
+      in.activations.per_sample_bytes_checkpointed = in.activations.per_sample_bytes_full = per_sample;
+      in.activations.fixed_bytes_checkpointed = in.activations.fixed_bytes_full = fixed;
+      in.activations.source = "given";
+    }
+    if (!overhead_text.empty()) in.runtime_overhead_bytes = zero::parse_bytes(overhead_text, "--runtime-overhead");
+    in.world_size = world_size;
+    in.gpus_per_host = gpus_per_host;
+    in.stage = stage;
+    in.param_dtype = zero::parse_dtype(precision, "--precision");
+    in.optimizer.kind = zero::parse_optimizer_kind(optimizer, "--optimizer");
+    if (in.optimizer.kind == zero::OptimizerKind::sgd) in.optimizer.momentum = 0.9;  // the trainer's default
+    in.ema = ema;
+    in.offload_optimizer = offload;
+    in.accumulation_steps = accumulation;
+    in.accumulation = accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
+                                                      : zero::GradAccumulation::reduce_each_micro_step;
+    ZERO_CHECK(bucket_mib > 0, "--bucket-mib must be positive, got ", bucket_mib);
+    in.bucket_bytes = static_cast<std::size_t>(bucket_mib * (1 << 20));
+    in.max_reductions_in_flight = in_flight;
+    in.fp32_accumulate_reductions = fp32_accumulate;
+    in.batch = batch;
+    in.activation_checkpointing = checkpointing;
+
+    if (fit_text.empty()) {
+      const zero::plan::Plan plan = zero::plan::make_plan(in);
+      std::fputs((json_output ? plan.to_json() + "\n" : plan.table()).c_str(), stdout);
+      return 0;
+    }
+    zero::plan::FitOptions options;
+    options.safety_margin = margin;
+    if (!host_text.empty()) options.host_bytes = parse_size(host_text, "--host-memory");
+    const std::size_t gpu_bytes = parse_size(fit_text, "--fit");
+    const zero::plan::FitResult result = zero::plan::fit(in, gpu_bytes, options);
+    std::fputs((json_output ? result.to_json() + "\n" : result.table()).c_str(), stdout);
+    return result.best ? 0 : kNothingFits;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "zero-plan: error: %s\n", e.what());
+    return 1;
+  }
+}

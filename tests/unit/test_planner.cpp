@@ -1,0 +1,276 @@
+// The memory planner: categories from the memory model, offload moved to the
+// host, the engine-buffer replay, fit() and its messages, size parsing.
+// (The calibration against the measured SDXL runs: tests/sdxl/test_plan_sdxl.cpp.)
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "zero/core/layout.hpp"
+#include "zero/engine/memory_model.hpp"
+#include "zero/engine/planner.hpp"
+
+using namespace zero;
+using zero::plan::kGiB;
+
+namespace {
+
+// The SDXL UNet's nine units (embed, down_blocks.0-2, mid_block,
+// up_blocks.0-2, head), one tensor each: examples/sdxl/unet_param_count.
+std::vector<plan::PlanUnit> sdxl_units() {
+  return {{"embed", {7307840}, false},      {"down_blocks.0", {5432000}, true}, {"down_blocks.1", {60105600}, true},
+          {"down_blocks.2", {757404160}, true}, {"mid_block", {413117440}, true}, {"up_blocks.0", {1206568960}, true},
+          {"up_blocks.1", {106343680}, true},   {"up_blocks.2", {11171840}, true}, {"head", {12164}, false}};
+}
+
+plan::PlanInput sdxl_input() {
+  plan::PlanInput in;
+  in.units = sdxl_units();
+  in.model_name = "sdxl-base";
+  in.activations = plan::ActivationModel::sdxl_unet();
+  in.ema = true;
+  return in;
+}
+
+ModelStateConfig state_config(const plan::PlanInput& in, std::size_t padded) {
+  return {.numel = padded,
+          .world_size = in.world_size,
+          .stage = in.stage,
+          .param_dtype = in.param_dtype,
+          .grad_dtype = in.effective_grad_dtype(),
+          .optimizer = in.optimizer,
+          .accumulation = in.accumulation,
+          .accumulation_steps = in.accumulation_steps,
+          .ema = in.ema,
+          .offload_optimizer = in.offload_optimizer};
+}
+
+}  // namespace
+
+TEST_CASE("plan: model state is model_state_bytes of the padded layout, at every stage, N, dtype and offload") {
+  for (int world : {1, 2, 3, 8, 64})
+    for (int stage = 0; stage <= 3; ++stage)
+      for (DType dtype : {DType::fp32, DType::bf16})
+        for (bool offload : {false, true}) {
+          if (offload && stage == 0) continue;
+          plan::PlanInput in = sdxl_input();
+          in.world_size = world;
+          in.stage = stage;
+          in.param_dtype = dtype;
+          in.offload_optimizer = offload;
+          const plan::Plan p = plan::make_plan(in);
+          CAPTURE(world);
+          CAPTURE(stage);
+          CAPTURE(offload);
+          // The padded length is FlatLayout's for these units.
+          std::vector<std::vector<ParamSpec>> groups;
+          for (const auto& u : in.units) groups.push_back({{u.name, u.tensors[0], {}}});
+          const FlatLayout layout =
+              FlatLayout::build_grouped(groups, {.world_size = world, .alignment = 128, .bucket_elements = 1});
+          CHECK(p.padded_numel == layout.padded_numel());
+          CHECK(p.padded_numel % (static_cast<std::size_t>(world) * 128) == 0);
+          const MemoryByCategory device = model_state_bytes(state_config(in, p.padded_numel));
+          const MemoryByCategory host = host_model_state_bytes(state_config(in, p.padded_numel));
+          CHECK(p.model_state.params == device.params);
+          CHECK(p.model_state.grads == device.grads);
+          CHECK(p.model_state.master == device.master);
+          CHECK(p.model_state.optimizer_state == device.optimizer_state);
+          CHECK(p.model_state.ema == device.ema);
+          CHECK(p.host_state.total() == host.total());
+          // The peak is the sum of its categories.
+          CHECK(p.gpu_peak() == p.runtime_overhead + device.model_state() + p.engine.gathered_units +
+                                    p.engine.bucket_buffers + p.engine.cached_blocks + p.engine.comm_scratch +
+                                    p.activations);
+          CHECK(p.gpu_at_step_end() <= p.gpu_peak());
+          // JSON carries the same numbers.
+          const auto j = nlohmann::json::parse(p.to_json());
+          CHECK(j["gpu_bytes"]["total_peak"].get<std::size_t>() == p.gpu_peak());
+          CHECK(j["gpu_bytes"]["optimizer_state"].get<std::size_t>() == device.optimizer_state);
+          CHECK(j["host_bytes"]["total_per_rank"].get<std::size_t>() == host.total());
+        }
+}
+
+TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus staging") {
+  plan::PlanInput in = sdxl_input();
+  in.stage = 2;
+  in.world_size = 4;
+  in.gpus_per_host = 4;
+  const plan::Plan on_gpu = plan::make_plan(in);
+  in.offload_optimizer = true;
+  const plan::Plan offloaded = plan::make_plan(in);
+  CHECK(offloaded.model_state.master == 0);
+  CHECK(offloaded.model_state.optimizer_state == 0);
+  CHECK(offloaded.model_state.ema == 0);
+  CHECK(offloaded.host_state.master == on_gpu.model_state.master);
+  CHECK(offloaded.host_state.optimizer_state == on_gpu.model_state.optimizer_state);
+  CHECK(offloaded.host_state.ema == on_gpu.model_state.ema);
+  const std::size_t shard = offloaded.padded_numel / 4;
+  CHECK(offloaded.host_state.buffers == shard * (2 + 2));  // bf16 gradient down, bf16 parameters up
+  CHECK(offloaded.ranks_per_host == 4);
+  CHECK(offloaded.host_per_host() == 4 * offloaded.host_per_rank());
+  CHECK(on_gpu.host_per_rank() == 0);
+  CHECK(on_gpu.gpu_peak() - offloaded.gpu_peak() ==
+        on_gpu.model_state.master + on_gpu.model_state.optimizer_state + on_gpu.model_state.ema);
+  CHECK(offloaded.relative_time() > on_gpu.relative_time());
+  const std::string table = offloaded.table();
+  CHECK(table.find("(offloaded)") != std::string::npos);
+  CHECK(table.find("per host (4 ranks") != std::string::npos);
+}
+
+TEST_CASE("plan: engine buffers follow the engine's rules") {
+  plan::PlanInput in = sdxl_input();
+  in.activation_checkpointing = true;
+  const std::size_t largest = plan::make_plan(in).largest_unit_elements;
+  for (int stage : {0, 1}) {  // backward writes into the full gradient buffer: nothing transient
+    in.stage = stage;
+    CHECK(plan::make_plan(in).engine.peak() == 0);
+  }
+  in.stage = 2;
+  const plan::Plan two = plan::make_plan(in);
+  CHECK(two.engine.gathered_units == 0);
+  CHECK(two.engine.bucket_buffers > 0);
+  // Up to max_reductions_in_flight buckets in flight plus the one being written.
+  CHECK(two.engine.bucket_buffers <= 3 * largest * 2);
+  CHECK(two.engine.at_step_end <= 2 * largest * 2);  // the cache's limit
+  in.stage = 3;
+  const plan::Plan three = plan::make_plan(in);
+  CHECK(three.engine.gathered_units > 0);
+  CHECK(three.engine.gathered_units <= 2 * largest * 2);  // a unit and its prefetch
+  CHECK(three.engine.at_step_end <= 2 * largest * 2);
+  CHECK(three.engine.at_step_end >= two.engine.at_step_end);
+  // Fewer reductions in flight, fewer bucket buffers.
+  in.max_reductions_in_flight = 1;
+  CHECK(plan::make_plan(in).engine.bucket_buffers < three.engine.bucket_buffers);
+  // Accumulating to the boundary at stage 2 writes into a full buffer instead.
+  in.stage = 2;
+  in.max_reductions_in_flight = 2;
+  in.accumulation_steps = 4;
+  in.accumulation = GradAccumulation::reduce_at_boundary;
+  const plan::Plan boundary = plan::make_plan(in);
+  CHECK(boundary.engine.bucket_buffers == 0);
+  CHECK(boundary.model_state.grads == two.model_state.grads * 2);  // full buffer + sharded accumulator at N=1
+  // fp32 reductions of half gradients need scratch for the largest bucket.
+  in.accumulation_steps = 1;
+  in.fp32_accumulate_reductions = true;
+  CHECK(plan::make_plan(in).engine.comm_scratch == (largest + largest) * 4);
+}
+
+TEST_CASE("plan: a bare parameter count is grouped into buckets of bucket_bytes") {
+  plan::PlanInput in;
+  in.param_count = 1000000007;
+  in.bucket_bytes = std::size_t{64} << 20;
+  in.world_size = 8;
+  in.stage = 3;
+  in.activations = plan::ActivationModel::scaled_from_sdxl(in.param_count);
+  const plan::Plan p = plan::make_plan(in);
+  CHECK(p.input.param_count == 1000000007);
+  CHECK(p.unit_count == (1000000007 + (32 << 20) - 1) / (32 << 20));
+  CHECK(p.padded_numel >= 1000000007);
+  CHECK(p.padded_numel - 1000000007 < p.unit_count * 8 * 128);
+  CHECK(p.input.activations.source.find("extrapolated") != std::string::npos);
+}
+
+TEST_CASE("plan: activations scale with batch, latent area and precision") {
+  const plan::ActivationModel m = plan::ActivationModel::sdxl_unet();
+  // No fixed part with checkpointing (rounding to whole bytes aside).
+  CHECK(m.bytes(8, true, 2) == doctest::Approx(8.0 * static_cast<double>(m.bytes(1, true, 2))).epsilon(1e-9));
+  CHECK(m.bytes(1, false, 2) > m.bytes(1, true, 2));
+  plan::ActivationModel half = m;
+  half.area_scale = 0.25;  // 512 px
+  CHECK(half.bytes(4, true, 2) == doctest::Approx(static_cast<double>(m.bytes(1, true, 2))).epsilon(1e-6));
+  CHECK(m.bytes(2, false, 4) == doctest::Approx(2.0 * static_cast<double>(m.bytes(2, false, 2))).epsilon(1e-9));
+}
+
+TEST_CASE("plan: input errors name the field") {
+  plan::PlanInput in = sdxl_input();
+  in.stage = 4;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("stage must be 0, 1, 2 or 3"), InvalidArgument);
+  in.stage = 0;
+  in.offload_optimizer = true;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_optimizer needs stage 1"), InvalidArgument);
+  in = sdxl_input();
+  in.batch = 0;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("batch must be >= 1"), InvalidArgument);
+  in = plan::PlanInput{};
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("units or a parameter count"), InvalidArgument);
+}
+
+TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
+  const plan::FitResult r = plan::fit(sdxl_input(), 24 * kGiB);
+  REQUIRE(r.best.has_value());
+  CHECK(r.best->input.offload_optimizer);
+  CHECK(r.best->input.stage >= 1);
+  CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 24 * kGiB));
+  CHECK(r.candidates.size() == 14);  // 4 stages x checkpointing x offload, no offload at stage 0
+  for (std::size_t i = 1; i < r.candidates.size(); ++i)
+    CHECK(r.candidates[i - 1].plan.relative_time() <= r.candidates[i].plan.relative_time());
+  // The best is the first candidate that fits.
+  for (const auto& c : r.candidates) {
+    if (!c.fits) continue;
+    CHECK(c.plan.label() == r.best->label());
+    break;
+  }
+  CHECK(r.summary().find("fits 24.00 GiB") != std::string::npos);
+  const auto j = nlohmann::json::parse(r.to_json());
+  CHECK(j["fits"].get<bool>());
+  CHECK(j["best"]["config"]["offload_optimizer"].get<bool>());
+  CHECK(j["candidates"].size() == 14);
+
+  // At batch 8 the activations need checkpointing as well.
+  plan::PlanInput b8 = sdxl_input();
+  b8.batch = 8;
+  const plan::FitResult r8 = plan::fit(b8, 40 * kGiB);
+  REQUIRE(r8.best.has_value());
+  CHECK(r8.best->input.offload_optimizer);
+  CHECK(r8.best->input.activation_checkpointing);
+
+  // 80 GiB: the fastest, stage 0 without checkpointing (55.9 GiB), no offload.
+  const plan::FitResult big = plan::fit(sdxl_input(), 80 * kGiB);
+  REQUIRE(big.best.has_value());
+  CHECK(!big.best->input.offload_optimizer);
+  CHECK(big.best->input.stage == 0);
+}
+
+TEST_CASE("fit: nothing fits 4 GiB; the message says so and what would") {
+  plan::PlanInput in = sdxl_input();
+  const plan::FitResult r = plan::fit(in, 4 * kGiB);
+  CHECK(!r.best.has_value());
+  REQUIRE(!r.suggestions.empty());
+  CHECK(r.summary().find("nothing fits 4.00 GiB") != std::string::npos);
+  CHECK(r.summary().find("even batch 1") != std::string::npos);
+  CHECK(!nlohmann::json::parse(r.to_json())["fits"].get<bool>());
+
+  // Batch 8 under 24 GiB: a smaller batch (or more GPUs) is proposed.
+  in.batch = 8;
+  const plan::FitResult smaller = plan::fit(in, 24 * kGiB);
+  CHECK(!smaller.best.has_value());
+  REQUIRE(!smaller.suggestions.empty());
+  CHECK(smaller.suggestions[0].find("batch ") == 0);
+  CHECK(smaller.suggestions[0].find("accumulation_steps") != std::string::npos);
+}
+
+TEST_CASE("check_fits: nullopt when it fits, else the prediction and fit's proposal") {
+  plan::PlanInput in = sdxl_input();
+  in.stage = 2;
+  in.activation_checkpointing = true;
+  const plan::Plan p = plan::make_plan(in);
+  CHECK(!plan::check_fits(p, 141 * kGiB).has_value());
+  const auto message = plan::check_fits(p, 24 * kGiB);
+  REQUIRE(message.has_value());
+  CHECK(message->find("predicted peak GPU memory") != std::string::npos);
+  CHECK(message->find("exceeds 22.80 GiB usable of 24.00 GiB") != std::string::npos);
+  CHECK(message->find("offload") != std::string::npos);
+}
+
+TEST_CASE("sizes for --fit and --host-memory: zero::parse_bytes, errors naming the option") {
+  CHECK(parse_bytes("24GiB", "--fit") == 24 * kGiB);
+  CHECK(parse_bytes("24 GiB", "--fit") == 24 * kGiB);
+  CHECK(parse_bytes("12G", "--fit") == 12 * kGiB);
+  CHECK(parse_bytes("500MiB", "--fit") == std::size_t{500} << 20);
+  CHECK(parse_bytes("1.5TiB", "--fit") == std::size_t{3} << 39);
+  CHECK(parse_bytes("4096", "--fit") == 4096);
+  for (const char* bad : {"24XB", "", "GiB", "-3G", "24 G iB", "1e30G"})
+    CHECK_THROWS_WITH_AS(parse_bytes(bad, "--fit"),
+                         doctest::Contains("--fit: expected a size such as 24GiB"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(parse_bytes("lots", "--host-memory"), doctest::Contains("--host-memory: expected a size"),
+                       InvalidArgument);
+}

@@ -134,4 +134,24 @@ std::int64_t count_parameters(const UNetConfig& config) {
   return n;
 }
 
+std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config) {
+  std::vector<zero::plan::PlanUnit> units;
+  for (const UnitParameterCount& unit : count_unit_parameters(config)) {
+    zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed};
+    for (std::int64_t t : unit.tensors) u.tensors.push_back(static_cast<std::size_t>(t));
+    units.push_back(std::move(u));
+  }
+  return units;
+}
+
+zero::plan::ActivationModel plan_activations(const UNetConfig& config, std::int64_t latent_size) {
+  ZERO_CHECK(latent_size > 0, "latent size must be positive, got ", latent_size);
+  zero::plan::ActivationModel model =
+      config == UNetConfig::sdxl_base()
+          ? zero::plan::ActivationModel::sdxl_unet()
+          : zero::plan::ActivationModel::scaled_from_sdxl(static_cast<std::size_t>(count_parameters(config)));
+  model.area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
+  return model;
+}
+
 }  // namespace sdxl

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "unet_config.hpp"
+#include "zero/engine/planner.hpp"
 
 namespace sdxl {
 
@@ -27,5 +28,14 @@ std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& config);
 
 /// Sum over all units: 2,567,463,684 for UNetConfig::sdxl_base().
 std::int64_t count_parameters(const UNetConfig& config);
+
+/// The memory planner's units for this config (one per UNet block, tensor
+/// sizes for the exact padding, embed and head not checkpointed).
+std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config);
+
+/// The planner's activation model: calibrated for sdxl_base(), scaled by
+/// parameter count (and marked extrapolated) for other configs; latent_size
+/// is the latent height = width (128 for 1024x1024 images).
+zero::plan::ActivationModel plan_activations(const UNetConfig& config, std::int64_t latent_size);
 
 }  // namespace sdxl

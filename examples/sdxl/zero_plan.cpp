@@ -108,30 +108,26 @@ int main(int argc, char** argv) {
   app.add_option("--fit", fit_text, "GPU memory (e.g. 24GiB, 80G): propose the fastest configuration that fits");
   app.add_option("--host-memory", host_text, "with --fit: pinned host memory per host (e.g. 512GiB)");
   app.add_option("--margin", margin, "with --fit: safety margin (fraction of the GPU kept free)")->capture_default_str();
+  bool lower_bound = false;
+  app.add_flag("--lower-bound", lower_bound,
+               "with --fit: compare the peak's lower bound (refuse only what cannot fit) instead of its upper bound");
   app.add_flag("--json", json_output, "JSON instead of the table");
   CLI11_PARSE(app, argc, argv);
 
   try {
     ZERO_CHECK(!params_text.empty() || !unet_config.empty(), "give --params N or --unet-config NAME");
     zero::plan::PlanInput in;
-    const double area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
     if (!unet_config.empty()) {
       const sdxl::UNetConfig config = unet_config_of(unet_config);
-      for (const sdxl::UnitParameterCount& unit : sdxl::count_unit_parameters(config)) {
-        zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed};
-        for (std::int64_t t : unit.tensors) u.tensors.push_back(static_cast<std::size_t>(t));
-        in.units.push_back(std::move(u));
-      }
-      const std::size_t count = static_cast<std::size_t>(sdxl::count_parameters(config));
+      in.units = sdxl::plan_units(config);
       in.model_name = unet_config;
-      in.activations = config == sdxl::UNetConfig::sdxl_base() ? zero::plan::ActivationModel::sdxl_unet()
-                                                               : zero::plan::ActivationModel::scaled_from_sdxl(count);
+      in.activations = sdxl::plan_activations(config, latent_size);
     } else {
       in.param_count = parse_count(params_text);
       in.model_name = params_text + " parameters";
       in.activations = zero::plan::ActivationModel::scaled_from_sdxl(in.param_count);
+      in.activations.area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
     }
-    in.activations.area_scale = area_scale;
     if (!per_sample_text.empty() || !fixed_text.empty()) {
       const double per_sample =
           per_sample_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(per_sample_text, "--activation-per-sample"));
@@ -167,6 +163,7 @@ int main(int argc, char** argv) {
     }
     zero::plan::FitOptions options;
     options.safety_margin = margin;
+    if (lower_bound) options.estimate = zero::plan::PeakEstimate::lower;
     if (!host_text.empty()) options.host_bytes = parse_size(host_text, "--host-memory");
     const std::size_t gpu_bytes = parse_size(fit_text, "--fit");
     const zero::plan::FitResult result = zero::plan::fit(in, gpu_bytes, options);

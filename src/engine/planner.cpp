@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "zero/core/layout.hpp"
+#include "zero/engine/engine.hpp"
 
 namespace zero::plan {
 
@@ -325,6 +326,23 @@ std::string with_commas(std::size_t n) {
 
 // ---------------------------------------------------------------- make_plan
 
+PlanInput input_from_engine_options(const EngineOptions& options, int world_size) {
+  PlanInput in;
+  in.world_size = world_size;
+  in.stage = options.stage;
+  in.param_dtype = options.param_dtype;
+  in.grad_dtype = options.effective_grad_dtype();
+  in.optimizer = options.optimizer;
+  in.ema = options.ema_decay > 0;
+  in.offload_optimizer = options.offload_optimizer;
+  in.accumulation = options.accumulation;
+  in.accumulation_steps = options.accumulation_steps;
+  in.bucket_bytes = options.bucket_bytes;
+  in.alignment_elements = options.alignment_elements;
+  in.max_reductions_in_flight = options.max_reductions_in_flight;
+  return in;
+}
+
 Plan make_plan(const PlanInput& input) {
   input.validate();
   Plan plan;
@@ -370,6 +388,10 @@ std::size_t Plan::gpu_peak() const {
 
 std::size_t Plan::gpu_at_step_end() const {
   return runtime_overhead + model_state.model_state() + engine.at_step_end + activations;
+}
+
+std::size_t Plan::gpu_peak_lower() const {
+  return std::max(gpu_at_step_end(), runtime_overhead + model_state.model_state() + engine.peak());
 }
 
 double Plan::relative_time() const {
@@ -426,6 +448,7 @@ json plan_json(const Plan& p) {
   gpu["model_state"] = p.model_state.model_state();
   gpu["total_peak"] = p.gpu_peak();
   gpu["total_at_step_end"] = p.gpu_at_step_end();
+  gpu["total_peak_lower"] = p.gpu_peak_lower();
   json host = categories_json(p.host_state);
   host["staging"] = p.host_state.buffers;
   host["total_per_rank"] = p.host_per_rank();
@@ -496,6 +519,7 @@ std::string Plan::table() const {
   line(out, "runtime overhead", runtime_overhead, "(CUDA context, libraries, allocator)");
   line(out, "total, peak", gpu_peak());
   line(out, "total, between steps", gpu_at_step_end(), "(what cudaMemGetInfo shows after a step)");
+  line(out, "total, peak at least", gpu_peak_lower(), "(the true peak lies between this and the peak)");
   out << "\nper host (" << ranks_per_host << (ranks_per_host == 1 ? " rank" : " ranks") << ", pinned memory)\n";
   line(out, "master (fp32)", host_state.master * ranks_per_host);
   line(out, "optimizer state", host_state.optimizer_state * ranks_per_host);
@@ -517,6 +541,10 @@ std::size_t usable(std::size_t gpu_bytes, const FitOptions& o) {
   return static_cast<std::size_t>(static_cast<double>(gpu_bytes) * (1.0 - o.safety_margin));
 }
 
+std::size_t peak_of(const Plan& plan, const FitOptions& o) {
+  return o.estimate == PeakEstimate::lower ? plan.gpu_peak_lower() : plan.gpu_peak();
+}
+
 std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   std::vector<FitResult::Candidate> out;
   const std::size_t limit = usable(gpu_bytes, options);
@@ -529,7 +557,7 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
         in.offload_optimizer = offload;
         in.activation_checkpointing = checkpointing;
         FitResult::Candidate c{make_plan(in), false, ""};
-        const std::size_t need = c.plan.gpu_peak();
+        const std::size_t need = peak_of(c.plan, options);
         c.fits = need <= limit;
         if (!c.fits) c.why_not = "needs " + format_bytes(need) + " of " + format_bytes(limit) + " usable";
         if (c.fits && options.host_bytes > 0 && c.plan.host_per_host() > options.host_bytes) {
@@ -577,7 +605,7 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
     if (auto p = fastest_fitting(in, gpu_bytes, options)) {
       const int accumulation = (base.batch * base.accumulation_steps + batch - 1) / batch;
       result.suggestions.push_back("batch " + std::to_string(batch) + " per GPU fits (" + p->label() + ", " +
-                                   format_bytes(p->gpu_peak()) + "); accumulation_steps " +
+                                   format_bytes(peak_of(*p, options)) + "); accumulation_steps " +
                                    std::to_string(accumulation) + " keeps the global batch");
       break;
     }
@@ -587,7 +615,7 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
     in.world_size = world;
     if (auto p = fastest_fitting(in, gpu_bytes, options)) {
       result.suggestions.push_back(std::to_string(world) + " GPUs fit at batch " + std::to_string(base.batch) +
-                                   " (" + p->label() + ", " + format_bytes(p->gpu_peak()) + " per GPU)");
+                                   " (" + p->label() + ", " + format_bytes(peak_of(*p, options)) + " per GPU)");
       break;
     }
   }
@@ -598,10 +626,10 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
     in.batch = 1;
     in.world_size = 4096;
     const auto floor = search(in, gpu_bytes, options);
-    const auto least = std::min_element(floor.begin(), floor.end(), [](const auto& a, const auto& b) {
-      return a.plan.gpu_peak() < b.plan.gpu_peak();
+    const auto least = std::min_element(floor.begin(), floor.end(), [&](const auto& a, const auto& b) {
+      return peak_of(a.plan, options) < peak_of(b.plan, options);
     });
-    result.suggestions.push_back("even batch 1 on 4096 GPUs needs " + format_bytes(least->plan.gpu_peak()) +
+    result.suggestions.push_back("even batch 1 on 4096 GPUs needs " + format_bytes(peak_of(least->plan, options)) +
                                  " per GPU (" + least->plan.label() + ": activations " +
                                  format_bytes(least->plan.activations) + ", engine buffers " +
                                  format_bytes(least->plan.engine.peak()) + ", runtime overhead " +
@@ -617,7 +645,7 @@ std::string FitResult::summary() const {
   if (best) {
     out << "fits " << format_bytes(gpu_bytes) << " (" << format_bytes(limit) << " usable with a "
         << options.safety_margin * 100 << "% margin): " << best->label() << ", predicted peak "
-        << format_bytes(best->gpu_peak()) << " per GPU, relative time per sample " << std::fixed
+        << format_bytes(peak_of(*best, options)) << " per GPU, relative time per sample " << std::fixed
         << std::setprecision(2) << best->relative_time();
     return out.str();
   }
@@ -633,6 +661,7 @@ std::string FitResult::to_json(int indent) const {
   j["gpu_budget_bytes"] = gpu_bytes;
   j["usable_bytes"] = usable(gpu_bytes, options);
   j["safety_margin"] = options.safety_margin;
+  j["peak_estimate"] = options.estimate == PeakEstimate::lower ? "lower" : "upper";
   if (options.host_bytes) j["host_budget_bytes"] = options.host_bytes;
   j["fits"] = best.has_value();
   j["best"] = best ? plan_json(*best) : json(nullptr);
@@ -643,6 +672,7 @@ std::string FitResult::to_json(int indent) const {
                     {"offload_optimizer", c.plan.input.offload_optimizer},
                     {"activation_checkpointing", c.plan.input.activation_checkpointing},
                     {"gpu_peak_bytes", c.plan.gpu_peak()},
+                    {"gpu_peak_lower_bytes", c.plan.gpu_peak_lower()},
                     {"host_bytes_per_host", c.plan.host_per_host()},
                     {"relative_time_per_sample", c.plan.relative_time()},
                     {"fits", c.fits},
@@ -660,7 +690,7 @@ std::string FitResult::table() const {
   for (const Candidate& c : candidates) {
     char text[256];
     std::snprintf(text, sizeof text, "  %-4s %-45s %6.2f  %12s  %12s  %s", c.fits ? "fits" : "-",
-                  c.plan.label().c_str(), c.plan.relative_time(), format_bytes(c.plan.gpu_peak()).c_str(),
+                  c.plan.label().c_str(), c.plan.relative_time(), format_bytes(peak_of(c.plan, options)).c_str(),
                   format_bytes(c.plan.host_per_host()).c_str(), c.why_not.c_str());
     std::string row = text;
     row.erase(row.find_last_not_of(' ') + 1);
@@ -673,9 +703,11 @@ std::string FitResult::table() const {
 
 std::optional<std::string> check_fits(const Plan& plan, std::size_t cap_bytes, const FitOptions& options) {
   const std::size_t limit = usable(cap_bytes, options);
-  if (plan.gpu_peak() <= limit) return std::nullopt;
+  const std::size_t need = peak_of(plan, options);
+  if (need <= limit) return std::nullopt;
   std::ostringstream out;
-  out << "predicted peak GPU memory " << format_bytes(plan.gpu_peak()) << " per GPU (model state "
+  out << "predicted peak GPU memory " << format_bytes(need)
+      << (options.estimate == PeakEstimate::lower ? " at least" : "") << " per GPU (model state "
       << format_bytes(plan.model_state.model_state()) << ", engine buffers " << format_bytes(plan.engine.peak())
       << ", activations " << format_bytes(plan.activations) << ", runtime " << format_bytes(plan.runtime_overhead)
       << ") exceeds " << format_bytes(limit) << " usable of " << format_bytes(cap_bytes) << " for "

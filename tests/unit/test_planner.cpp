@@ -274,3 +274,18 @@ TEST_CASE("sizes for --fit and --host-memory: zero::parse_bytes, errors naming t
   CHECK_THROWS_WITH_AS(parse_bytes("lots", "--host-memory"), doctest::Contains("--host-memory: expected a size"),
                        InvalidArgument);
 }
+
+TEST_CASE("fit: the lower estimate of the peak accepts at least what the upper one does") {
+  plan::PlanInput in = sdxl_input();
+  in.batch = 8;
+  for (std::size_t gib : {24, 48, 72, 80}) {
+    CAPTURE(gib);
+    const plan::FitResult upper = plan::fit(in, gib * kGiB);
+    const plan::FitResult lower = plan::fit(in, gib * kGiB, {.estimate = plan::PeakEstimate::lower});
+    std::size_t fits_upper = 0, fits_lower = 0;
+    for (const auto& c : upper.candidates) fits_upper += c.fits;
+    for (const auto& c : lower.candidates) fits_lower += c.fits;
+    CHECK(fits_lower >= fits_upper);
+    for (const auto& c : lower.candidates) CHECK(c.plan.gpu_peak_lower() <= c.plan.gpu_peak());
+  }
+}

@@ -29,6 +29,10 @@
 #include "zero/engine/memory_model.hpp"
 #include "zero/optim/optimizer.hpp"
 
+namespace zero {
+struct EngineOptions;
+}
+
 namespace zero::plan {
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
@@ -166,6 +170,11 @@ struct Plan {
   /// What a sample between steps sees (context + model state + engine cache
   /// + the allocator's activation reserve): the trainer's "mem" metric.
   std::size_t gpu_at_step_end() const;
+  /// The least the true peak can be: the between-steps total, or the
+  /// engine's in-step peak over the model state and runtime (activations
+  /// then at their smallest, counted as 0), whichever is larger. The true
+  /// peak lies in [gpu_peak_lower(), gpu_peak()].
+  std::size_t gpu_peak_lower() const;
   std::size_t host_per_rank() const { return host_state.total(); }
   std::size_t host_per_host() const { return host_per_rank() * static_cast<std::size_t>(ranks_per_host); }
   /// Relative time per sample (1 = one sample's GPU compute at stage 0, no
@@ -179,13 +188,26 @@ struct Plan {
   std::string table() const;
 };
 
+/// A PlanInput with the engine's settings (stage, dtypes, optimizer, EMA,
+/// offload, accumulation, bucket size, alignment, reductions in flight) and
+/// world size; the caller adds the model (units or param_count), batch,
+/// activation checkpointing and the activation model.
+PlanInput input_from_engine_options(const EngineOptions& options, int world_size);
+
 /// Predicts the bytes of one configuration. Throws zero::InvalidArgument for
 /// invalid inputs (the field named).
 Plan make_plan(const PlanInput& input);
 
+/// Which end of the peak's range fit() and check_fits() compare.
+enum class PeakEstimate {
+  upper,  // gpu_peak(): can only be too high (plan a run)
+  lower,  // gpu_peak_lower(): can only be too low (refuse only what cannot fit)
+};
+
 struct FitOptions {
-  /// A configuration fits when gpu_peak() <= (1 - safety_margin) x gpu_bytes.
+  /// A configuration fits when its peak <= (1 - safety_margin) x gpu_bytes.
   double safety_margin = 0.05;
+  PeakEstimate estimate = PeakEstimate::upper;
   /// Host memory per host (0 = not checked).
   std::size_t host_bytes = 0;
 };
@@ -215,9 +237,11 @@ struct FitResult {
 /// base input's world size and batch; everything else is kept.
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options = {});
 
-/// For a trainer, before it allocates anything: nullopt when the plan's
-/// gpu_peak() fits cap_bytes with the safety margin, else a message with the
-/// prediction, the budget and fit()'s proposal (or suggestions).
+/// For a trainer, before it allocates anything: nullopt when the plan's peak
+/// (options.estimate) fits cap_bytes with the safety margin, else a message
+/// with the prediction, the budget and fit()'s proposal (or suggestions).
+/// To fail fast only on what surely cannot fit, pass
+/// {.safety_margin = 0, .estimate = PeakEstimate::lower}.
 std::optional<std::string> check_fits(const Plan& plan, std::size_t cap_bytes, const FitOptions& options = {});
 
 }  // namespace zero::plan

@@ -31,7 +31,8 @@ d. Non-finite gradients (ZERO_FAULT_NAN_GRAD_STEPS, a NaN in one gradient
    run with a message naming the limit, every rank gone, non-zero exit.
 
 Exit 77 (skipped) only if neither mounting nor the fallbacks can make b and c
-fail; every case that can run still does first.
+fail; every case that can run still does first. ZERO_TEST_NO_MOUNT=1 forces
+the fallbacks; ZERO_TEST_CASES=ad runs only some cases (debugging).
 """
 import json
 import os
@@ -273,7 +274,6 @@ checkpoint_bytes = sum(os.path.getsize(os.path.join(ckpt(base, 2), n)) for n in 
 shard_bytes = os.path.getsize(os.path.join(ckpt(base, 2), "rank-00001.safetensors"))
 print(f"  one checkpoint: {checkpoint_bytes} bytes ({shard_bytes} per shard)")
 
-# ZERO_TEST_CASES=bc runs only some cases (when debugging).
 CASES = os.environ.get("ZERO_TEST_CASES", "abcd")
 
 # a. Killed while writing rank 1's shard of step 4, then rank 0's manifest.

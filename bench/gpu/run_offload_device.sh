@@ -39,7 +39,7 @@ run() {  # name, limit seconds, then trainer options
   rm -rf "/tmp/$name"
   local start end
   start=$(date +%s.%N)
-  timeout "$limit" mpirun -np 1 "$BUILD/examples/sdxl/train" --config examples/sdxl/configs/sdxl-1024.toml \
+  timeout "$limit" mpirun -np 1 --bind-to none "$BUILD/examples/sdxl/train" --config examples/sdxl/configs/sdxl-1024.toml \
     --steps "$STEPS" --warmup_steps 5 --log_every 10 --checkpoint_every 0 --save_final false --export_unet false \
     --output_dir "/tmp/$name" "$@" > "$OUT/offload/$name.log" 2>&1
   local code=$?

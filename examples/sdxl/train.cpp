@@ -231,7 +231,7 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
   if (!c.offload_optimizer) s += " offload_optimizer = true (master, optimizer state and EMA to host memory; stages 1-3),";
   if (!c.activation_checkpointing) s += " activation_checkpointing = true,";
   if (c.batch_size > 1) s += " a smaller batch_size with accumulation,";
-  s += " or more GPUs";
+  s += s.empty() ? " more GPUs" : " or more GPUs";
   return s;
 }
 

@@ -347,11 +347,7 @@ int main(int argc, char** argv) {
         for (const auto& [n, t] : u.params) numel += static_cast<std::size_t>(t.numel());
       numel = (numel + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world) * static_cast<std::size_t>(world);
       check_model_state_fits(cfg, zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory"),
-                             {.numel = numel, .world_size = world, .stage = options.stage,
-                              .param_dtype = options.param_dtype, .grad_dtype = options.effective_grad_dtype(),
-                              .optimizer = options.optimizer, .accumulation = options.accumulation,
-                              .accumulation_steps = options.accumulation_steps, .ema = options.ema_decay > 0,
-                              .offload_optimizer = options.offload_optimizer});
+                             zero::model_state_config(options, numel, world));
     }
     zero::adapter::ShardedModel sharded(std::move(units), options, comm, *backend);
 #ifdef ZERO_TRAIN_CUDA

@@ -852,30 +852,25 @@ MemoryByCategory Engine::host_memory() const {
           m.host_current[kEma], m.host_current[kBuffers]};
 }
 
+ModelStateConfig model_state_config(const EngineOptions& o, std::size_t padded_numel, int world_size) {
+  return {.numel = padded_numel,
+          .world_size = world_size,
+          .stage = o.stage,
+          .param_dtype = o.param_dtype,
+          .grad_dtype = o.effective_grad_dtype(),
+          .optimizer = o.optimizer,
+          .accumulation = o.accumulation,
+          .accumulation_steps = o.accumulation_steps,
+          .ema = o.ema_decay > 0,
+          .offload_optimizer = o.offload_optimizer};
+}
+
 MemoryByCategory Engine::predicted_host_state() const {
-  return host_model_state_bytes({.numel = layout_.padded_numel(),
-                                 .world_size = world_,
-                                 .stage = options_.stage,
-                                 .param_dtype = options_.param_dtype,
-                                 .grad_dtype = options_.effective_grad_dtype(),
-                                 .optimizer = options_.optimizer,
-                                 .accumulation = options_.accumulation,
-                                 .accumulation_steps = options_.accumulation_steps,
-                                 .ema = options_.ema_decay > 0,
-                                 .offload_optimizer = options_.offload_optimizer});
+  return host_model_state_bytes(model_state_config(options_, layout_.padded_numel(), world_));
 }
 
 MemoryByCategory Engine::predicted_model_state() const {
-  return model_state_bytes({.numel = layout_.padded_numel(),
-                            .world_size = world_,
-                            .stage = options_.stage,
-                            .param_dtype = options_.param_dtype,
-                            .grad_dtype = options_.effective_grad_dtype(),
-                            .optimizer = options_.optimizer,
-                            .accumulation = options_.accumulation,
-                            .accumulation_steps = options_.accumulation_steps,
-                            .ema = options_.ema_decay > 0,
-                            .offload_optimizer = options_.offload_optimizer});
+  return model_state_bytes(model_state_config(options_, layout_.padded_numel(), world_));
 }
 
 }  // namespace zero

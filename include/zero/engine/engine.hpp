@@ -83,6 +83,10 @@ struct EngineOptions {
   void validate() const;
 };
 
+/// The memory model's description of an engine with these options over
+/// padded_numel elements (a multiple of world_size) on world_size ranks.
+ModelStateConfig model_state_config(const EngineOptions& options, std::size_t padded_numel, int world_size);
+
 struct StepResult {
   bool applied = false;      // false: skipped for non-finite gradients
   double grad_norm = 0;      // global L2 norm of the averaged, unscaled gradient, before clipping

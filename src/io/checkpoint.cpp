@@ -1,6 +1,7 @@
 // Checkpoint folders and their manifest. Free of MPI and of the engine (the
 // engine-aware parts live in consolidate.cpp), so that the manifest reader
 // builds alone into its fuzzer (tests/fuzz/fuzz_manifest.cpp).
+#include "error_text.hpp"
 #include "zero/io/checkpoint.hpp"
 
 #include <algorithm>
@@ -52,23 +53,7 @@ std::string found(const Json& value) {
 }
 
 // nlohmann's parse errors quote the input, which may be arbitrary bytes.
-std::string printable(std::string_view what) {
-  if (!what.empty() && what.front() == '[') {
-    if (const auto end = what.find("] "); end != std::string_view::npos) what.remove_prefix(end + 2);
-  }
-  std::string out;
-  for (const char c : what.substr(0, 300)) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      out += c;
-    } else {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
-      out += escaped;
-    }
-  }
-  return out;
-}
+std::string printable(std::string_view what) { return detail::printable_error_text(what, 300); }
 
 // ---------------------------------------------------------------- typed getters
 

@@ -1,3 +1,4 @@
+#include "error_text.hpp"
 #include "zero/io/safetensors.hpp"
 
 #include <fcntl.h>
@@ -105,24 +106,7 @@ std::string brief(const Json& value) {
 // nlohmann's parse errors quote the offending input, which may be arbitrary
 // bytes; escape them so that logs and JSON log sinks get clean text. The
 // "[json.exception.parse_error.101] " prefix says nothing to a user.
-std::string parse_error_text(std::string_view what) {
-  if (!what.empty() && what.front() == '[') {
-    if (const auto end = what.find("] "); end != std::string_view::npos) what.remove_prefix(end + 2);
-  }
-  std::string out;
-  out.reserve(what.size());
-  for (const char c : what) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      out += c;
-    } else {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
-      out += escaped;
-    }
-  }
-  return out;
-}
+std::string parse_error_text(std::string_view what) { return detail::printable_error_text(what); }
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string text = "[";

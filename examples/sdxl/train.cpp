@@ -30,6 +30,8 @@
 #include "train_config.hpp"
 #include "unet.hpp"
 #include "unet_io.hpp"
+#include "unet_param_count.hpp"
+#include "zero/engine/planner.hpp"
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/io/atomic_file.hpp"
 #include "zero/io/checkpoint.hpp"
@@ -229,38 +231,48 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
   std::string s;
   if (c.stage < 3 && world > 1) s += " a higher ZeRO stage (stage = 3 shards everything),";
   if (!c.offload_optimizer) s += " offload_optimizer = true (master, optimizer state and EMA to host memory; stages 1-3),";
+  if (!c.offload_params) s += " stage = 3 with offload_params = true (parameter shards to host memory too),";
   if (!c.activation_checkpointing) s += " activation_checkpointing = true,";
   if (c.batch_size > 1) s += " a smaller batch_size with accumulation,";
   s += s.empty() ? " more GPUs" : " or more GPUs";
   return s;
 }
 
-/// Before the engine exists: its persistent model state by the memory model.
-void check_model_state_fits(const TrainConfig& c, std::size_t cap, const zero::ModelStateConfig& state) {
-  const zero::MemoryByCategory need = zero::model_state_bytes(state);
-  if (need.total() >= cap)
-    ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": the model state alone needs ",
-               zero::format_bytes(need.total()), " per GPU at stage ", c.stage,
-               c.offload_optimizer ? " with the optimizer offloaded" : "", " (", zero::format_memory(need),
-               "); it cannot fit. Try", memory_suggestion(c, state.world_size), ".");
+/// The memory planner's view of this run (model, engine options, batch,
+/// checkpointing, latent size), before anything is allocated.
+zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
+                          int ranks_per_host) {
+  zero::plan::PlanInput in = zero::plan::input_from_engine_options(options, world);
+  in.units = sdxl::plan_units(ucfg);
+  in.model_name = c.model_config;
+  in.activations = sdxl::plan_activations(ucfg, c.latent_size);
+  in.gpus_per_host = ranks_per_host;
+  in.batch = static_cast<int>(c.batch_size);
+  in.activation_checkpointing = c.activation_checkpointing;
+  return zero::plan::make_plan(in);
+}
+
+/// Before the engine exists: fail when the planner's lower bound of the peak
+/// (model state, engine buffers, runtime; activations at their least) is
+/// over the cap. Such a run cannot fit; what the lower bound lets through
+/// may still run out in a step, and LibTorch then reports it.
+void check_plan_fits(const TrainConfig& c, std::size_t cap, const zero::plan::Plan& plan) {
+  const auto why = zero::plan::check_fits(plan, cap, {.safety_margin = 0, .estimate = zero::plan::PeakEstimate::lower});
+  if (why) ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", *why);
 }
 
 #ifdef ZERO_TRAIN_CUDA
-void apply_gpu_memory_cap(const TrainConfig& c, const zero::Engine& engine, int device, int world, bool leader) {
+void apply_gpu_memory_cap(const TrainConfig& c, const zero::Engine& engine, const zero::plan::Plan& plan, int device,
+                          int world, bool leader) {
   const std::size_t cap = zero::parse_bytes(c.max_gpu_memory, "max_gpu_memory");
   ZERO_CHECK_CUDA(cudaDeviceSynchronize());
   c10::cuda::CUDACachingAllocator::emptyCache();
   std::size_t free_bytes = 0, total_bytes = 0;
   ZERO_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   const std::size_t outside = total_bytes - free_bytes;  // context, NCCL, the engine's buffers
-  std::size_t largest = 0;
-  for (const zero::Bucket& b : engine.layout().buckets()) largest = std::max(largest, b.padded);
-  const auto& o = engine.options();
-  const std::size_t g = zero::size_of(o.effective_grad_dtype()), p = zero::size_of(o.param_dtype);
-  // Gradient bucket buffers in flight plus the two the engine caches (stages
-  // 2-3); the gathered unit and its prefetch (stage 3).
-  std::size_t transient = o.stage >= 2 ? static_cast<std::size_t>(o.max_reductions_in_flight + 2) * largest * g : 0;
-  if (o.stage == 3) transient += 2 * largest * p;
+  // The engine's transient buffers at their peak (gradient buckets and
+  // scratch in flight, gathered units, cached blocks), replayed by the planner.
+  const std::size_t transient = plan.engine.peak();
   if (outside + transient >= cap)
     ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", zero::format_bytes(outside),
                " are in use before training (CUDA context, NCCL, the engine's model state: ",
@@ -341,17 +353,18 @@ int main(int argc, char** argv) {
     options.ema_decay = cfg.ema_decay;
     options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
     options.offload_optimizer = cfg.offload_optimizer;
-    if (!cfg.max_gpu_memory.empty()) {
-      std::size_t numel = 0;
-      for (const auto& u : units)
-        for (const auto& [n, t] : u.params) numel += static_cast<std::size_t>(t.numel());
-      numel = (numel + static_cast<std::size_t>(world) - 1) / static_cast<std::size_t>(world) * static_cast<std::size_t>(world);
-      check_model_state_fits(cfg, zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory"),
-                             zero::model_state_config(options, numel, world));
-    }
+    options.offload_params = cfg.offload_params;
+    const zero::plan::Plan run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
+    if (leader && cfg.device == "cuda")  // the planner's constants are calibrated for the GPU
+      std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
+                  zero::format_bytes(run_plan.gpu_peak_lower()).c_str(), zero::format_bytes(run_plan.gpu_peak()).c_str(),
+                  zero::format_bytes(run_plan.host_per_rank()).c_str());
+    if (!cfg.max_gpu_memory.empty())
+      check_plan_fits(cfg, zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory"), run_plan);
     zero::adapter::ShardedModel sharded(std::move(units), options, comm, *backend);
 #ifdef ZERO_TRAIN_CUDA
-    if (!cfg.max_gpu_memory.empty()) apply_gpu_memory_cap(cfg, sharded.engine(), device.index(), world, leader);
+    if (!cfg.max_gpu_memory.empty())
+      apply_gpu_memory_cap(cfg, sharded.engine(), run_plan, device.index(), world, leader);
 #endif
     model->set_activation_checkpointing(cfg.activation_checkpointing);
     model->set_unit_runner([&sharded](std::size_t unit, const variable_list& inputs, const UNet2DConditionModelImpl::UnitBody& body,

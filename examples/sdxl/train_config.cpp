@@ -66,6 +66,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"zero", "accumulation_mode", &c.accumulation_mode, "each (reduce every micro-step) or boundary"},
       {"zero", "offload_optimizer", &c.offload_optimizer,
        "keep master weights, optimizer state and EMA in pinned host memory, updated by the CPU (stages 1-3)"},
+      {"zero", "offload_params", &c.offload_params,
+       "stage 3 with offload_optimizer: keep the parameter shards in pinned host memory as well (only gathered units on the GPU)"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
       {"output", "log_every", &c.log_every, "steps between log lines"},
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
@@ -208,6 +210,9 @@ void TrainConfig::validate() const {
   ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);
+  ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
+             "offload_params needs stage = 3 and offload_optimizer = true, got stage ", stage,
+             offload_optimizer ? "" : " without offload_optimizer");
   if (!max_gpu_memory.empty()) {
     ZERO_CHECK(device == "cuda", "max_gpu_memory applies to device = \"cuda\" only");
     ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");

@@ -46,6 +46,7 @@ struct TrainConfig {
   double bucket_mib = 32;
   std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
   bool offload_optimizer = false;      // master, optimizer state, EMA in pinned host memory (stages 1-3)
+  bool offload_params = false;         // stage 3 + offload_optimizer: parameter shards in pinned host memory
   // [output]
   std::string output_dir = "runs/sdxl";
   std::int64_t log_every = 1;

@@ -36,6 +36,10 @@ void EngineOptions::validate() const {
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "EngineOptions.offload_optimizer needs stage 1, 2 or 3, got stage ",
              stage, " (stage 0 keeps the whole optimizer on every rank)");
+  ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
+             "EngineOptions.offload_params needs stage 3 with offload_optimizer, got stage ", stage,
+             offload_optimizer ? "" : " without offload_optimizer",
+             " (below stage 3 every rank keeps the full parameters on the device)");
   optimizer.validate();
   if (effective_loss_scaling()) loss_scaler.validate();
 }
@@ -63,6 +67,17 @@ struct Engine::Impl {
   bool shard_accumulator = false; // reduced gradients accumulate in a shard buffer
   bool reduce_only_at_boundary = false;
   bool offload = false;           // master, state0/1 and ema are pinned host memory
+  bool offload_params = false;    // param_shard is pinned host memory (stage 3)
+  bool stream_grads = false;      // reduced gradients go down to grad_host during backward
+
+  // Gradient downloads in flight (stream_grads): the device scratch holding a
+  // bucket's reduced slice is reused only once its copy has landed.
+  struct Download {
+    std::byte* scratch = nullptr;  // null when the slice was reduced in place (stage 1)
+    std::size_t bytes = 0;
+    Event copied = nullptr;
+  };
+  std::deque<Download> downloads;
 
   // Offload staging (pinned host): the reduced gradient shard copied down,
   // and the updated model-dtype shard to copy back up.
@@ -138,10 +153,16 @@ struct Engine::Impl {
     const std::size_t full = layout.padded_numel(), shard = layout.shard_numel();
     const std::size_t optimizer_elements = stage == 0 ? full : shard;
     release_ptr(params_full, full * p_size);
-    release_ptr(param_shard, shard * p_size);
+    for (Download& d : downloads) {
+      backend.wait_event(d.copied);
+      backend.release_event(d.copied);
+      release_ptr(d.scratch, d.bytes);
+    }
     auto release_host = [&](void* p, std::size_t bytes) {
       if (p) backend.deallocate_host(p, bytes);
     };
+    if (offload_params) release_host(param_shard, shard * p_size);
+    else release_ptr(param_shard, shard * p_size);
     for (float* state : {master, state0, state1, ema}) {
       if (offload) release_host(state, optimizer_elements * 4);
       else release_ptr(state, optimizer_elements * 4);
@@ -254,6 +275,14 @@ struct Engine::Impl {
     void* destination;
     if (reduces_in_place()) {
       destination = grads_full + own_offset(b) * g_size;
+    } else if (stream_grads && world == 1) {
+      // One rank: the average is the gradient itself, copied down straight
+      // from the bucket buffer in complete() (no scratch, no collective).
+      destination = nullptr;
+    } else if (stream_grads) {  // no device shard: reduce into scratch, copied down in complete()
+      entry.scratch_bytes = bucket.shard_size * g_size;
+      entry.scratch = acquire(kBuffers, entry.scratch_bytes, backend.comm_stream());
+      destination = entry.scratch;
     } else if (!accumulator_has_data[b]) {
       destination = grad_shard + bucket.shard_offset * g_size;
       accumulator_has_data[b] = 1;
@@ -266,8 +295,8 @@ struct Engine::Impl {
     Event ready = backend.record_event(backend.compute_stream());
     backend.stream_wait(backend.comm_stream(), ready);
     backend.release_event(ready);
-    entry.work = comm.reduce_scatter(input, destination, bucket.shard_size, gdt, ReduceOp::avg,
-                                     backend.comm_stream());
+    if (destination)
+      entry.work = comm.reduce_scatter(input, destination, bucket.shard_size, gdt, ReduceOp::avg, backend.comm_stream());
     bucket_reduced[b] = 1;
     pending.push_back(std::move(entry));
     // Bound the memory of reductions in flight (their input buffers and the
@@ -279,8 +308,28 @@ struct Engine::Impl {
   }
 
   void complete(Pending& entry) {
-    entry.work->wait();
+    if (entry.work) entry.work->wait();
     const Bucket& bucket = layout.buckets()[entry.bucket];
+    if (stream_grads) {
+      // The reduced slice goes down now, overlapping the rest of backward;
+      // the device block it is read from is held until the copy lands.
+      Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr};
+      const void* reduced = entry.scratch;
+      if (!entry.scratch && reduces_in_place()) {
+        reduced = reduced_grad(entry.bucket);
+      } else if (!entry.scratch) {  // one rank: the bucket buffer itself
+        d.scratch = bucket_buffer[entry.bucket];
+        d.bytes = bucket.padded * g_size;
+        bucket_buffer[entry.bucket] = nullptr;
+        reduced = d.scratch;
+      }
+      backend.copy(grad_host + bucket.shard_offset * g_size, reduced, bucket.shard_size * g_size,
+                   backend.comm_stream());
+      d.copied = backend.record_event(backend.comm_stream());
+      downloads.push_back(d);
+      entry.scratch = nullptr;
+      while (downloads.size() > static_cast<std::size_t>(options.max_reductions_in_flight)) retire_download();
+    }
     if (entry.scratch) {
       backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt,
                          bucket.shard_size, backend.comm_stream());
@@ -290,6 +339,14 @@ struct Engine::Impl {
       give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size);
       bucket_buffer[entry.bucket] = nullptr;
     }
+  }
+
+  void retire_download() {
+    Download d = downloads.front();
+    downloads.pop_front();
+    backend.wait_event(d.copied);
+    backend.release_event(d.copied);
+    if (d.scratch) give_back(kBuffers, d.scratch, d.bytes);
   }
 
   /// The optimizer step with offloaded state (stages 1-3): per bucket, the
@@ -307,7 +364,8 @@ struct Engine::Impl {
     backend.synchronize(transfer);
     std::vector<Event> down(buckets.size(), nullptr);
     try {
-      for (std::size_t b = 0; b < buckets.size(); ++b) {
+      // Streamed gradients are already down (finish_micro_step waited for them).
+      for (std::size_t b = 0; b < buckets.size() && !stream_grads; ++b) {
         const Bucket& bucket = buckets[b];
         backend.copy(grad_host + bucket.shard_offset * g_size, reduced_grad(b), bucket.shard_size * g_size, transfer);
         down[b] = backend.record_event(transfer);
@@ -315,20 +373,24 @@ struct Engine::Impl {
       for (std::size_t b = 0; b < buckets.size(); ++b) {
         const Bucket& bucket = buckets[b];
         const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
-        backend.wait_event(down[b]);
-        backend.release_event(down[b]);
-        down[b] = nullptr;
+        if (down[b]) {
+          backend.wait_event(down[b]);
+          backend.release_event(down[b]);
+          down[b] = nullptr;
+        }
         ShardUpdate u;
         u.master = master + at;
         u.grad = grad_host + at * g_size;
         u.grad_dtype = gdt;
         u.state0 = state0 ? state0 + at : nullptr;
         u.state1 = state1 ? state1 + at : nullptr;
-        u.model_copy = copy_host + at * p_size;
+        // Offloaded parameters are updated where they live; nothing goes up.
+        u.model_copy = offload_params ? param_shard + at * p_size : copy_host + at * p_size;
         u.model_dtype = pdt;
         u.count = n;
         cpu_optimizer_step(opt, scalars, u, CpuKernel::vectorized);
         if (ema) cpu_ema_update(ema + at, master + at, n, ema_decay);
+        if (offload_params) continue;
         std::byte* target = stage == 3 ? param_shard + at * p_size : params_full + own_offset(b) * p_size;
         backend.copy(target, copy_host + at * p_size, n * p_size, transfer);
         if (stage <= 2)
@@ -339,7 +401,7 @@ struct Engine::Impl {
       for (Event e : down) backend.release_event(e);
       throw;
     }
-    if (stage == 3) {  // the next forward's gathers read param_shard on the comm stream: already ordered
+    if (stage == 3 && !offload_params) {  // the next forward's gathers read param_shard on the comm stream: already ordered
       Event up = backend.record_event(transfer);
       backend.stream_wait(backend.compute_stream(), up);
       backend.release_event(up);
@@ -351,6 +413,7 @@ struct Engine::Impl {
       complete(pending.front());
       pending.pop_front();
     }
+    while (!downloads.empty()) retire_download();
     Event done = backend.record_event(backend.comm_stream());
     backend.stream_wait(backend.compute_stream(), done);
     backend.release_event(done);
@@ -416,17 +479,20 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
 
   const std::size_t full = layout_.padded_numel(), shard = layout_.shard_numel();
   const std::size_t optimizer_elements = m.stage == 0 ? full : shard;
-  if (m.stage < 3) m.params_full = m.allocate(kParams, full * m.p_size);
-  else m.param_shard = m.allocate(kParams, shard * m.p_size);
   const int slots = options_.optimizer.state_slots();
   m.offload = options_.offload_optimizer;
+  m.offload_params = options_.offload_params;
+  m.stream_grads = options_.streams_gradients_to_host();
+  if (m.stage < 3) m.params_full = m.allocate(kParams, full * m.p_size);
+  else if (m.offload_params) m.param_shard = m.allocate_host(kParams, shard * m.p_size);
+  else m.param_shard = m.allocate(kParams, shard * m.p_size);
   if (m.offload) {
     m.master = m.allocate_host<float>(kMaster, shard * 4);  // also for fp32 parameters
     if (slots >= 1) m.state0 = m.allocate_host<float>(kState, shard * 4);
     if (slots >= 2) m.state1 = m.allocate_host<float>(kState, shard * 4);
     if (options_.ema_decay > 0) m.ema = m.allocate_host<float>(kEma, shard * 4);
     m.grad_host = m.allocate_host(kBuffers, shard * m.g_size);
-    m.copy_host = m.allocate_host(kBuffers, shard * m.p_size);
+    if (!m.offload_params) m.copy_host = m.allocate_host(kBuffers, shard * m.p_size);
   } else {
     if (m.pdt != DType::fp32) m.master = m.allocate<float>(kMaster, optimizer_elements * 4);
     if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
@@ -434,11 +500,11 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
     if (options_.ema_decay > 0) m.ema = m.allocate<float>(kEma, optimizer_elements * 4);
   }
   if (m.full_grads) m.grads_full = m.allocate(kGrads, full * m.g_size);
-  if (m.shard_accumulator) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
+  if (m.shard_accumulator && !m.stream_grads) m.grad_shard = m.allocate(kGrads, shard * m.g_size);
 
   std::size_t largest_bucket = 0;
   for (const Bucket& b : layout_.buckets()) largest_bucket = std::max(largest_bucket, b.padded);
-  m.cache_limit = 2 * largest_bucket * std::max(m.p_size, m.g_size);
+  m.cache_limit = options_.buffer_cache_bytes.value_or(2 * largest_bucket * std::max(m.p_size, m.g_size));
   const std::size_t buckets = layout_.buckets().size();
   m.param_ready.assign(layout_.params().size(), 0);
   m.bucket_ready_count.assign(buckets, 0);
@@ -474,8 +540,10 @@ void Engine::set_param(std::size_t param, const float* host_values) {
   if (m.stage < 3) {
     m.backend.copy_from_host(m.params_full + slot.offset * m.p_size, rounded.data(), rounded.size());
   } else if (lo < hi) {
-    m.backend.copy_from_host(m.param_shard + (bucket.shard_offset + lo - own) * m.p_size,
-                             rounded.data() + (lo - slot.offset) * m.p_size, (hi - lo) * m.p_size);
+    std::byte* out = m.param_shard + (bucket.shard_offset + lo - own) * m.p_size;
+    const std::byte* in = rounded.data() + (lo - slot.offset) * m.p_size;
+    if (m.offload_params) std::memcpy(out, in, (hi - lo) * m.p_size);
+    else m.backend.copy_from_host(out, in, (hi - lo) * m.p_size);
   }
   if (m.pdt == DType::fp32 && !m.offload) return;
   if (m.stage == 0) {
@@ -509,9 +577,13 @@ void Engine::prefetch_unit(std::size_t unit) {
   Event ready = m.backend.record_event(m.backend.compute_stream());
   m.backend.stream_wait(m.backend.comm_stream(), ready);
   m.backend.release_event(ready);
-  m.unit_work[unit] = m.comm.all_gather(m.param_shard + bucket.shard_offset * m.p_size,
-                                        m.unit_buffer[unit], bucket.shard_size, m.pdt,
-                                        m.backend.comm_stream());
+  const std::byte* own = m.param_shard + bucket.shard_offset * m.p_size;
+  if (m.offload_params) {  // host shard: up into this rank's place, then gathered in place
+    std::byte* place = m.unit_buffer[unit] + static_cast<std::size_t>(rank_) * bucket.shard_size * m.p_size;
+    m.backend.copy(place, own, bucket.shard_size * m.p_size, m.backend.comm_stream());
+    own = place;
+  }
+  m.unit_work[unit] = m.comm.all_gather(own, m.unit_buffer[unit], bucket.shard_size, m.pdt, m.backend.comm_stream());
 }
 
 void Engine::gather_unit(std::size_t unit) {
@@ -612,9 +684,18 @@ StepResult Engine::step() {
 
   // Global statistics of the reduced gradients, each rank over the slices it
   // owns, summed in rank order: the same bits at every stage.
-  std::vector<Backend::Span> spans(buckets.size());
-  for (std::size_t b = 0; b < buckets.size(); ++b) spans[b] = {m.reduced_grad(b), buckets[b].shard_size};
-  const GradStats local = be.grad_stats(spans.data(), spans.size(), m.gdt, compute);
+  GradStats local;
+  if (m.stream_grads) {  // the gradients are in host memory: summed there, the same way
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const GradStats part = cpu_grad_stats(m.grad_host + buckets[b].shard_offset * m.g_size, buckets[b].shard_size, m.gdt);
+      local.sum_squares += part.sum_squares;
+      local.nonfinite = local.nonfinite || part.nonfinite;
+    }
+  } else {
+    std::vector<Backend::Span> spans(buckets.size());
+    for (std::size_t b = 0; b < buckets.size(); ++b) spans[b] = {m.reduced_grad(b), buckets[b].shard_size};
+    local = be.grad_stats(spans.data(), spans.size(), m.gdt, compute);
+  }
   std::array<double, 2> global = {local.sum_squares, local.nonfinite ? 1.0 : 0.0};
   m.comm.all_reduce_host_f64(global.data(), 2, ReduceOp::sum);
   const bool nonfinite = global[1] > 0 || !std::isfinite(global[0]);
@@ -814,8 +895,13 @@ std::vector<std::vector<float>> Engine::gather_model_params() {
       std::vector<WorkPtr> works;
       for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
         const Bucket& bucket = layout_.buckets()[b];
-        works.push_back(m.comm.all_gather(m.param_shard + bucket.shard_offset * m.p_size,
-                                          gathered + bucket.offset * m.p_size, bucket.shard_size, m.pdt,
+        const std::byte* own = m.param_shard + bucket.shard_offset * m.p_size;
+        if (m.offload_params) {  // host memory: upload into this rank's place, then gather in place
+          std::byte* place = gathered + m.own_offset(b) * m.p_size;
+          be.copy(place, own, bucket.shard_size * m.p_size, be.comm_stream());
+          own = place;
+        }
+        works.push_back(m.comm.all_gather(own, gathered + bucket.offset * m.p_size, bucket.shard_size, m.pdt,
                                           be.comm_stream()));
       }
       for (auto& w : works) w->wait();
@@ -862,7 +948,8 @@ ModelStateConfig model_state_config(const EngineOptions& o, std::size_t padded_n
           .accumulation = o.accumulation,
           .accumulation_steps = o.accumulation_steps,
           .ema = o.ema_decay > 0,
-          .offload_optimizer = o.offload_optimizer};
+          .offload_optimizer = o.offload_optimizer,
+          .offload_params = o.offload_params};
 }
 
 MemoryByCategory Engine::predicted_host_state() const {
@@ -1127,6 +1214,10 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
   if (m.offload) {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       const std::size_t at = buckets[b].shard_offset;
+      if (m.offload_params) {  // the shard lives on the host: written in place
+        cpu_convert(m.master + at, DType::fp32, m.param_shard + at * m.p_size, m.pdt, buckets[b].shard_size);
+        continue;
+      }
       cpu_convert(m.master + at, DType::fp32, m.copy_host + at * m.p_size, m.pdt, buckets[b].shard_size);
       void* out = m.stage == 3 ? static_cast<void*>(m.param_shard + at * m.p_size)
                                : static_cast<void*>(m.params_full + m.own_offset(b) * m.p_size);

@@ -36,6 +36,13 @@ MemoryByCategory model_state_bytes(const ModelStateConfig& c) {
   if (c.offload_optimizer) {
     ZERO_CHECK(c.stage >= 1, "offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps a full optimizer on every rank)");
     m.master = m.optimizer_state = m.ema = 0;
+    if (c.accumulation_steps == 1 && shard_accumulator) m.grads -= shard * g;  // streamed to the host
+  }
+  if (c.offload_params) {
+    ZERO_CHECK(c.stage == 3 && c.offload_optimizer,
+               "offload_params needs stage 3 with offload_optimizer (stage ", c.stage,
+               c.offload_optimizer ? "" : ", optimizer not offloaded", ")");
+    m.params = 0;
   }
   return m;
 }
@@ -48,7 +55,8 @@ MemoryByCategory host_model_state_bytes(const ModelStateConfig& c) {
   h.master = shard * 4;
   h.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * shard * 4;
   h.ema = c.ema ? shard * 4 : 0;
-  h.buffers = shard * (size_of(c.grad_dtype) + size_of(c.param_dtype));
+  h.params = c.offload_params ? shard * size_of(c.param_dtype) : 0;
+  h.buffers = shard * (size_of(c.grad_dtype) + (c.offload_params ? 0 : size_of(c.param_dtype)));
   return h;
 }
 

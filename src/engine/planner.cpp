@@ -92,6 +92,8 @@ void PlanInput::validate() const {
   optimizer.validate();
   ZERO_CHECK(!offload_optimizer || stage >= 1,
              "plan: offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps a full optimizer on every rank)");
+  ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
+             "plan: offload_params needs stage 3 with offload_optimizer");
   ZERO_CHECK(accumulation_steps >= 1, "plan: accumulation_steps must be >= 1, got ", accumulation_steps);
   ZERO_CHECK(bucket_bytes >= 1, "plan: bucket_bytes must be >= 1");
   ZERO_CHECK(alignment_elements >= 1, "plan: alignment_elements must be >= 1");
@@ -131,12 +133,13 @@ class EngineReplay {
     g_ = size_of(in.effective_grad_dtype());
     std::size_t largest = 0;
     for (const Bucket& b : buckets) largest = std::max(largest, b.padded);
-    limit_ = 2 * largest * std::max(p_, g_);
+    limit_ = in.buffer_cache_bytes.value_or(2 * largest * std::max(p_, g_));
     const bool multi = in.accumulation_steps > 1;
     const bool at_boundary = in.accumulation == GradAccumulation::reduce_at_boundary;
     full_grads_ = in.stage <= 1 || (at_boundary && multi);
     shard_accumulator_ = in.stage >= 2 || (!at_boundary && multi);
     reduce_only_at_boundary_ = at_boundary && multi;
+    stream_grads_ = in.offload_optimizer && !multi;
     unit_buffer_.assign(units_, false);
     unit_refs_.assign(units_, 0);
     bucket_buffer_.assign(units_, false);
@@ -221,7 +224,12 @@ class EngineReplay {
     }
     if (reduce_only_at_boundary_ && !last_micro_) return;
     std::size_t scratch = 0;
-    if (shard_accumulator_) {
+    if (shard_accumulator_ && stream_grads_ && in_.world_size == 1) {
+      // copied down straight from the bucket buffer in complete()
+    } else if (shard_accumulator_ && stream_grads_) {  // reduced into scratch, copied down in complete()
+      scratch = scratch_bytes(u);
+      acquire(kGrads, scratch);
+    } else if (shard_accumulator_) {
       if (!accumulator_has_data_[u]) {
         accumulator_has_data_[u] = true;
       } else {
@@ -240,17 +248,33 @@ class EngineReplay {
     std::size_t scratch;
   };
   void complete(const Pending& p) {
-    if (p.scratch) give_back(kGrads, p.scratch);
+    if (stream_grads_ && shard_accumulator_ && in_.world_size == 1) {  // the bucket buffer is held until copied
+      downloads_.push_back(grad_bytes(p.bucket));
+      bucket_buffer_[p.bucket] = false;
+      while (downloads_.size() > static_cast<std::size_t>(in_.max_reductions_in_flight)) retire_download();
+      return;
+    }
+    if (stream_grads_) {  // the scratch stays until its copy to the host has landed
+      downloads_.push_back(p.scratch);
+      while (downloads_.size() > static_cast<std::size_t>(in_.max_reductions_in_flight)) retire_download();
+    } else if (p.scratch) {
+      give_back(kGrads, p.scratch);
+    }
     if (!full_grads_ && bucket_buffer_[p.bucket]) {
       give_back(kGrads, grad_bytes(p.bucket));
       bucket_buffer_[p.bucket] = false;
     }
+  }
+  void retire_download() {
+    if (downloads_.front()) give_back(kGrads, downloads_.front());
+    downloads_.pop_front();
   }
   void complete_all() {
     while (!pending_.empty()) {
       complete(pending_.front());
       pending_.pop_front();
     }
+    while (!downloads_.empty()) retire_download();
   }
 
   void forward() {
@@ -278,6 +302,8 @@ class EngineReplay {
   const FlatLayout& layout_;
   std::size_t units_ = 0, p_ = 2, g_ = 2, limit_ = 0;
   bool full_grads_ = false, shard_accumulator_ = false, reduce_only_at_boundary_ = false, last_micro_ = true;
+  bool stream_grads_ = false;  // Engine: EngineOptions::streams_gradients_to_host()
+  std::deque<std::size_t> downloads_;  // scratch bytes of gradient copies to the host in flight
   std::vector<bool> unit_buffer_, bucket_buffer_, accumulator_has_data_;
   std::vector<int> unit_refs_;
   std::deque<Pending> pending_;
@@ -335,11 +361,13 @@ PlanInput input_from_engine_options(const EngineOptions& options, int world_size
   in.optimizer = options.optimizer;
   in.ema = options.ema_decay > 0;
   in.offload_optimizer = options.offload_optimizer;
+  in.offload_params = options.offload_params;
   in.accumulation = options.accumulation;
   in.accumulation_steps = options.accumulation_steps;
   in.bucket_bytes = options.bucket_bytes;
   in.alignment_elements = options.alignment_elements;
   in.max_reductions_in_flight = options.max_reductions_in_flight;
+  in.buffer_cache_bytes = options.buffer_cache_bytes;
   return in;
 }
 
@@ -363,7 +391,8 @@ Plan make_plan(const PlanInput& input) {
                                .accumulation = input.accumulation,
                                .accumulation_steps = input.accumulation_steps,
                                .ema = input.ema,
-                               .offload_optimizer = input.offload_optimizer};
+                               .offload_optimizer = input.offload_optimizer,
+                               .offload_params = input.offload_params};
   plan.model_state = model_state_bytes(state);
   plan.host_state = host_model_state_bytes(state);
 
@@ -410,17 +439,22 @@ double Plan::relative_time() const {
   double offload = 0;
   if (input.offload_optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
-    // Transfers overlap the CPU update bucket by bucket: the slower one counts.
+    // Transfers overlap the CPU update bucket by bucket: the slower one
+    // counts. Offloaded parameters instead go up at every gather (forward
+    // and backward of each micro-step), counted as not hidden by compute.
+    const double p = static_cast<double>(size_of(input.param_dtype));
+    const double up_after_step = input.offload_params ? 0.0 : p;
     offload = std::max(shard * ranks_per_host / s.cpu_elements_per_second,
-                       shard * static_cast<double>(size_of(input.effective_grad_dtype()) + size_of(input.param_dtype)) /
+                       shard * (static_cast<double>(size_of(input.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
+    if (input.offload_params) offload += 2.0 * input.accumulation_steps * shard * p / s.pcie_bytes_per_second;
   }
   return (gpu + offload) / (plain * input.accumulation_steps);
 }
 
 std::string Plan::label() const {
   std::string text = "stage " + std::to_string(input.stage);
-  if (input.offload_optimizer) text += ", offload";
+  if (input.offload_optimizer) text += input.offload_params ? ", offload (optimizer + params)" : ", offload";
   text += input.activation_checkpointing ? ", checkpointing" : ", no checkpointing";
   text += ", batch " + std::to_string(input.batch);
   return text;
@@ -468,6 +502,7 @@ json plan_json(const Plan& p) {
                  {"optimizer_state_slots", in.optimizer.state_slots()},
                  {"ema", in.ema},
                  {"offload_optimizer", in.offload_optimizer},
+                 {"offload_params", in.offload_params},
                  {"accumulation_steps", in.accumulation_steps},
                  {"accumulation", in.accumulation == GradAccumulation::reduce_at_boundary ? "boundary" : "each"},
                  {"max_reductions_in_flight", in.max_reductions_in_flight},
@@ -506,7 +541,7 @@ std::string Plan::table() const {
         << (in.accumulation == GradAccumulation::reduce_at_boundary ? " (boundary)" : " (each)");
   if (in.activations.area_scale != 1.0) out << ", latent area x" << in.activations.area_scale;
   out << "\n\nper GPU\n";
-  line(out, "params", model_state.params);
+  line(out, "params", model_state.params, in.offload_params ? "(offloaded; gathered units below)" : "");
   line(out, "grads", model_state.grads);
   line(out, "master (fp32)", model_state.master, in.offload_optimizer ? "(offloaded)" : "");
   line(out, "optimizer state", model_state.optimizer_state, in.offload_optimizer ? "(offloaded)" : "");
@@ -521,10 +556,11 @@ std::string Plan::table() const {
   line(out, "total, between steps", gpu_at_step_end(), "(what cudaMemGetInfo shows after a step)");
   line(out, "total, peak at least", gpu_peak_lower(), "(the true peak lies between this and the peak)");
   out << "\nper host (" << ranks_per_host << (ranks_per_host == 1 ? " rank" : " ranks") << ", pinned memory)\n";
+  if (host_state.params) line(out, "params (shards)", host_state.params * ranks_per_host);
   line(out, "master (fp32)", host_state.master * ranks_per_host);
   line(out, "optimizer state", host_state.optimizer_state * ranks_per_host);
   line(out, "ema", host_state.ema * ranks_per_host);
-  line(out, "staging (grad + param copy)", host_state.buffers * ranks_per_host);
+  line(out, in.offload_params ? "staging (grad)" : "staging (grad + param copy)", host_state.buffers * ranks_per_host);
   line(out, "total", host_per_host());
   char speed[96];
   std::snprintf(speed, sizeof speed, "\nrelative time per sample: %.2f (1 = stage 0 without checkpointing)\n",
@@ -548,13 +584,18 @@ std::size_t peak_of(const Plan& plan, const FitOptions& o) {
 std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   std::vector<FitResult::Candidate> out;
   const std::size_t limit = usable(gpu_bytes, options);
+  struct Offload {
+    bool optimizer, params;
+  };
   for (int stage = 0; stage <= 3; ++stage)
-    for (bool offload : {false, true})
+    for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}})
       for (bool checkpointing : {false, true}) {
-        if (offload && stage == 0) continue;
+        if (offload.optimizer && stage == 0) continue;
+        if (offload.params && stage != 3) continue;
         PlanInput in = base;
         in.stage = stage;
-        in.offload_optimizer = offload;
+        in.offload_optimizer = offload.optimizer;
+        in.offload_params = offload.params;
         in.activation_checkpointing = checkpointing;
         FitResult::Candidate c{make_plan(in), false, ""};
         const std::size_t need = peak_of(c.plan, options);
@@ -670,6 +711,7 @@ std::string FitResult::to_json(int indent) const {
     list.push_back({{"label", c.plan.label()},
                     {"stage", c.plan.input.stage},
                     {"offload_optimizer", c.plan.input.offload_optimizer},
+                    {"offload_params", c.plan.input.offload_params},
                     {"activation_checkpointing", c.plan.input.activation_checkpointing},
                     {"gpu_peak_bytes", c.plan.gpu_peak()},
                     {"gpu_peak_lower_bytes", c.plan.gpu_peak_lower()},

@@ -101,6 +101,7 @@ struct Config {
   OptimizerOptions optimizer{};
   double max_grad_norm = 0;
   bool offload = false;  // EngineOptions::offload_optimizer
+  bool offload_params = false;  // EngineOptions::offload_params (stage 3)
   double ema_decay = 0;
 };
 
@@ -114,6 +115,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.max_grad_norm = c.max_grad_norm;
   o.alignment_elements = 4;
   o.offload_optimizer = c.offload;
+  o.offload_params = c.offload_params;
   o.ema_decay = c.ema_decay;
   return o;
 }

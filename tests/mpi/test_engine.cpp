@@ -73,7 +73,28 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       CHECK(bitwise_equal(off.model, on_device.model));
       CHECK(bitwise_equal(off.ema, on_device.ema));
       CHECK(off.norms == on_device.norms);
+      if (stage == 3) {  // and the parameter shard in host memory as well
+        offloaded.offload_params = true;
+        const Trained params_off = train_sharded(offloaded, stage, comm, *backend);
+        CHECK(bitwise_equal(params_off.master, on_device.master));
+        CHECK(bitwise_equal(params_off.model, on_device.model));
+        CHECK(bitwise_equal(params_off.ema, on_device.ema));
+        CHECK(params_off.norms == on_device.norms);
+      }
     }
+  }
+}
+
+TEST_CASE("offload_params below stage 3 or without the optimizer offloaded is refused") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  Config c;
+  c.offload_params = true;
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    c.offload = stage < 3;  // stage 3: the optimizer is not offloaded
+    CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, stage), comm, *backend),
+                         doctest::Contains("offload_params needs stage 3 with offload_optimizer"), InvalidArgument);
   }
 }
 

@@ -25,16 +25,19 @@ std::vector<std::vector<ParamSpec>> awkward_units() {
   return units;
 }
 
+// One optimizer step: accumulation_steps micro-steps, then step().
 void run_one_step(Engine& engine) {
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    void* g = engine.grad_data(p);
-    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
-      store_from_float(g, k, engine.options().effective_grad_dtype(), 1e-3f * static_cast<float>(k % 7));
-    engine.grad_ready(p);
+  for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
+    for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
+    for (std::size_t p = 0; p < engine.param_count(); ++p) {
+      void* g = engine.grad_data(p);
+      for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+        store_from_float(g, k, engine.options().effective_grad_dtype(), 1e-3f * static_cast<float>(k % 7));
+      engine.grad_ready(p);
+    }
+    for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
+    engine.finish_micro_step();
   }
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
-  engine.finish_micro_step();
   engine.step();
 }
 
@@ -80,10 +83,6 @@ TEST_CASE("per-rank memory equals the ZeRO formula at every stage") {
             CHECK(m.model_state() == (2 + 2 + 12) * padded / n);  // the ZeRO paper's stage-3 figure
           // After a step: transient buffers are released to the cache, model
           // state unchanged; stage 3 holds no gathered unit.
-          for (int micro = 0; micro < accumulation - 1; ++micro) {
-            for (std::size_t q = 0; q < engine.param_count(); ++q) engine.grad_ready(q);
-            engine.finish_micro_step();
-          }
           run_one_step(engine);
           const MemoryByCategory after = engine.memory();
           CHECK(after.model_state() == m.model_state());
@@ -103,34 +102,60 @@ TEST_CASE("offloaded optimizer: the state moves to host memory, by the formula")
   MpiCommunicator comm;
   auto backend = make_host_backend();
   const std::size_t n = static_cast<std::size_t>(comm.size());
-  for (int stage = 1; stage <= 3; ++stage) {
+  struct Case {
+    int stage;
+    bool offload_params;
+    int accumulation_steps;
+  };
+  for (const Case k : {Case{1, false, 1}, Case{2, false, 1}, Case{3, false, 1}, Case{3, true, 1}, Case{2, false, 2},
+                       Case{3, true, 2}}) {
     for (DType dtype : {DType::bf16, DType::fp32}) {
-      CAPTURE(stage);
+      CAPTURE(k.stage);
+      CAPTURE(k.offload_params);
+      CAPTURE(k.accumulation_steps);
       CAPTURE(dtype);
       EngineOptions o;
-      o.stage = stage;
+      o.stage = k.stage;
       o.param_dtype = dtype;
       o.ema_decay = 0.99;
       o.offload_optimizer = true;
+      o.offload_params = k.offload_params;
+      o.accumulation_steps = k.accumulation_steps;
       Engine engine(awkward_units(), o, comm, *backend);
-      const std::size_t padded = engine.layout().padded_numel(), p = size_of(dtype);
+      const std::size_t padded = engine.layout().padded_numel(), p = size_of(dtype), shard = padded / n;
       const MemoryByCategory device = engine.memory(), host = engine.host_memory();
       CHECK(device.master == 0);
       CHECK(device.optimizer_state == 0);
       CHECK(device.ema == 0);
       CHECK(device.params == engine.predicted_model_state().params);
       CHECK(device.grads == engine.predicted_model_state().grads);
-      CHECK(host.master == padded / n * 4);  // kept even for fp32 parameters
-      CHECK(host.optimizer_state == padded / n * 8);
-      CHECK(host.ema == padded / n * 4);
-      CHECK(host.buffers == padded / n * 2 * p);  // gradient shard down, model shard up
+      // One micro-step: gradients stream down as they are reduced, so stages
+      // 2-3 keep no gradient shard on the device.
+      if (k.stage >= 2 && k.accumulation_steps == 1) CHECK(device.grads == 0);
+      if (k.stage >= 2 && k.accumulation_steps > 1) CHECK(device.grads == shard * p);
+      CHECK(device.params == (k.offload_params ? 0 : (k.stage == 3 ? shard : padded) * p));
+      CHECK(host.params == (k.offload_params ? shard * p : 0));
+      CHECK(host.master == shard * 4);  // kept even for fp32 parameters
+      CHECK(host.optimizer_state == shard * 8);
+      CHECK(host.ema == shard * 4);
+      // Gradient shard down, model shard up (offloaded parameters are updated in place).
+      CHECK(host.buffers == shard * (k.offload_params ? 1 : 2) * p);
       const MemoryByCategory predicted = engine.predicted_host_state();
+      CHECK(host.params == predicted.params);
       CHECK(host.master == predicted.master);
       CHECK(host.optimizer_state == predicted.optimizer_state);
       CHECK(host.ema == predicted.ema);
       CHECK(host.buffers == predicted.buffers);
       run_one_step(engine);
       CHECK(engine.host_memory().total() == host.total());
+      if (k.stage >= 2) CHECK(engine.memory().buffers > 0);  // blocks kept for reuse
+      // The same without the block cache: nothing transient outlives its use.
+      o.buffer_cache_bytes = 0;
+      Engine uncached(awkward_units(), o, comm, *backend);
+      run_one_step(uncached);
+      CHECK(uncached.memory().buffers == 0);
+      CHECK(uncached.peak_memory().buffers <= engine.peak_memory().buffers);
+      CHECK(engine.memory().model_state() == device.model_state());
     }
   }
 }

@@ -108,12 +108,57 @@ TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus
   CHECK(offloaded.ranks_per_host == 4);
   CHECK(offloaded.host_per_host() == 4 * offloaded.host_per_rank());
   CHECK(on_gpu.host_per_rank() == 0);
-  CHECK(on_gpu.gpu_peak() - offloaded.gpu_peak() ==
-        on_gpu.model_state.master + on_gpu.model_state.optimizer_state + on_gpu.model_state.ema);
+  // One micro-step: the gradient shard streams to the host as it is reduced
+  // (through scratch blocks in the engine's buffers), none stays on the GPU.
+  CHECK(offloaded.model_state.grads == 0);
+  CHECK(on_gpu.model_state.grads == shard * 2);
+  CHECK(offloaded.engine.bucket_buffers > on_gpu.engine.bucket_buffers);
+  CHECK(on_gpu.gpu_peak() + offloaded.engine.peak() - offloaded.gpu_peak() - on_gpu.engine.peak() ==
+        on_gpu.model_state.master + on_gpu.model_state.optimizer_state + on_gpu.model_state.ema +
+            on_gpu.model_state.grads);
   CHECK(offloaded.relative_time() > on_gpu.relative_time());
   const std::string table = offloaded.table();
   CHECK(table.find("(offloaded)") != std::string::npos);
   CHECK(table.find("per host (4 ranks") != std::string::npos);
+}
+
+TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffers on the GPU") {
+  plan::PlanInput in = sdxl_input();
+  in.stage = 3;
+  in.world_size = 2;
+  in.gpus_per_host = 2;
+  in.activation_checkpointing = true;
+  in.offload_optimizer = true;
+  const plan::Plan optimizer_only = plan::make_plan(in);
+  in.offload_params = true;
+  const plan::Plan both = plan::make_plan(in);
+  const std::size_t shard = both.padded_numel / 2;
+  CHECK(optimizer_only.model_state.params == shard * 2);
+  CHECK(both.model_state.total() == 0);
+  CHECK(both.host_state.params == shard * 2);
+  CHECK(both.host_state.buffers == shard * 2);  // the gradient staging only: the CPU updates the shard in place
+  CHECK(both.engine.peak() == optimizer_only.engine.peak());
+  CHECK(optimizer_only.gpu_peak() - both.gpu_peak() == shard * 2);
+  CHECK(both.relative_time() > optimizer_only.relative_time());  // the parameters go up at every gather
+  CHECK(both.label().find("offload (optimizer + params)") != std::string::npos);
+  CHECK(both.table().find("params (shards)") != std::string::npos);
+  CHECK(nlohmann::json::parse(both.to_json())["config"]["offload_params"].get<bool>());
+  in.stage = 2;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_params needs stage 3 with offload_optimizer"),
+                       InvalidArgument);
+}
+
+TEST_CASE("fit: SDXL at N=1, batch 1 under 12 GiB offloads the parameters as well") {
+  plan::PlanInput in = sdxl_input();
+  in.buffer_cache_bytes = 0;  // what the trainer sets when the default cache would not fit
+  const plan::FitResult r = plan::fit(in, 12 * kGiB);
+  if (!r.best) MESSAGE(r.table());
+  REQUIRE(r.best.has_value());
+  CHECK(r.best->input.stage == 3);
+  CHECK(r.best->input.offload_optimizer);
+  CHECK(r.best->input.offload_params);
+  CHECK(r.best->input.activation_checkpointing);
+  CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 12 * kGiB));
 }
 
 TEST_CASE("plan: engine buffers follow the engine's rules") {
@@ -137,6 +182,13 @@ TEST_CASE("plan: engine buffers follow the engine's rules") {
   CHECK(three.engine.gathered_units <= 2 * largest * 2);  // a unit and its prefetch
   CHECK(three.engine.at_step_end <= 2 * largest * 2);
   CHECK(three.engine.at_step_end >= two.engine.at_step_end);
+  // Without the block cache nothing is held between steps and the peak is lower.
+  in.buffer_cache_bytes = 0;
+  const plan::Plan uncached = plan::make_plan(in);
+  CHECK(uncached.engine.at_step_end == 0);
+  CHECK(uncached.engine.cached_blocks == 0);
+  CHECK(uncached.engine.peak() < three.engine.peak());
+  in.buffer_cache_bytes.reset();
   // Fewer reductions in flight, fewer bucket buffers.
   in.max_reductions_in_flight = 1;
   CHECK(plan::make_plan(in).engine.bucket_buffers < three.engine.bucket_buffers);
@@ -200,7 +252,7 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
   CHECK(r.best->input.offload_optimizer);
   CHECK(r.best->input.stage >= 1);
   CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 24 * kGiB));
-  CHECK(r.candidates.size() == 14);  // 4 stages x checkpointing x offload, no offload at stage 0
+  CHECK(r.candidates.size() == 16);  // 4 stages x checkpointing x offload (none at stage 0), + stage 3 with params offloaded
   for (std::size_t i = 1; i < r.candidates.size(); ++i)
     CHECK(r.candidates[i - 1].plan.relative_time() <= r.candidates[i].plan.relative_time());
   // The best is the first candidate that fits.
@@ -213,7 +265,7 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
   const auto j = nlohmann::json::parse(r.to_json());
   CHECK(j["fits"].get<bool>());
   CHECK(j["best"]["config"]["offload_optimizer"].get<bool>());
-  CHECK(j["candidates"].size() == 14);
+  CHECK(j["candidates"].size() == 16);
 
   // At batch 8 the activations need checkpointing as well.
   plan::PlanInput b8 = sdxl_input();

@@ -67,6 +67,11 @@ struct EngineOptions {
   /// Bucket reductions allowed in flight before the oldest is waited for:
   /// overlap against memory for bucket buffers and communicator scratch.
   int max_reductions_in_flight = 2;
+  /// Free transient blocks (gradient buckets, scratch, stage-3 unit buffers)
+  /// kept for reuse, in bytes; default: two of the largest bucket. 0 frees
+  /// each block when it is given back: the least memory, but every free
+  /// then waits for the device.
+  std::optional<std::size_t> buffer_cache_bytes;
   /// Steps with non-finite gradients in a row before step() throws (0 = never).
   /// Each such step is skipped and counted either way.
   int max_consecutive_nonfinite = 0;
@@ -77,8 +82,19 @@ struct EngineOptions {
   /// updates it, and the new model-dtype values go back up and are
   /// all-gathered, each bucket's copies overlapping the next one's update.
   bool offload_optimizer = false;
+  /// Parameter offload (stage 3, with offload_optimizer): this rank's
+  /// model-dtype parameter shard lives in pinned host memory too. Gathering a
+  /// unit copies the rank's slice up and all-gathers it in place; the CPU
+  /// optimizer writes the updated shard where it lives, so nothing goes back
+  /// up after a step. On the device only the gathered units stay.
+  bool offload_params = false;
 
   DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
+  /// With the optimizer offloaded and one micro-step per step, each bucket's
+  /// reduced gradient is copied to host memory as soon as its reduction
+  /// completes (while backward goes on), and stages 2-3 keep no gradient
+  /// shard on the device.
+  bool streams_gradients_to_host() const { return offload_optimizer && accumulation_steps == 1; }
   bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
   void validate() const;
 };

@@ -45,6 +45,9 @@ struct ModelStateConfig {
   /// ZeRO-Offload: master weights, optimizer state and EMA (this rank's
   /// shard) in pinned host memory, updated by the CPU optimizer; stages 1-3.
   bool offload_optimizer = false;
+  /// Parameter offload (stage 3 with offload_optimizer): the model-dtype
+  /// parameter shard in pinned host memory as well.
+  bool offload_params = false;
 };
 
 /// Persistent model-state bytes per rank (no transient buffers):
@@ -56,13 +59,18 @@ struct ModelStateConfig {
 ///   ema:    Ψ·4 at stage 0, Ψ·4/N at stages 1-3, when enabled
 /// numel must be a multiple of world_size (padded).
 /// With offload_optimizer these are the device bytes: master, state and ema
-/// are 0 (they live in host memory, see host_model_state_bytes).
+/// are 0 (they live in host memory, see host_model_state_bytes); with one
+/// micro-step per step the gradients stream to the host as they are reduced,
+/// so stages 2-3 hold no gradient shard; offload_params moves the stage-3
+/// parameter shard to the host (only gathered units, transient, remain).
 MemoryByCategory model_state_bytes(const ModelStateConfig& config);
 
 /// Host (pinned) bytes per rank; all zero without offload_optimizer. With it:
 ///   master: Ψ·4/N (kept even for fp32 parameters), state: K·Ψ·4/N,
 ///   ema: Ψ·4/N when enabled, buffers: Ψ·(g + p)/N (the gradient shard
-///   copied down and the updated model-dtype shard copied back up).
+///   copied down and the updated model-dtype shard copied back up);
+///   with offload_params: params Ψ·p/N and buffers Ψ·g/N (the CPU writes the
+///   updated shard in place).
 MemoryByCategory host_model_state_bytes(const ModelStateConfig& config);
 
 /// "params 1.00 GiB, grads ..." for logs.

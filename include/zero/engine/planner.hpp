@@ -115,12 +115,15 @@ struct PlanInput {
   OptimizerOptions optimizer{};
   bool ema = false;
   bool offload_optimizer = false;
+  bool offload_params = false;  // stage 3 with offload_optimizer: parameter shard in host memory
   GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
   int accumulation_steps = 1;
   /// Bucket target when grouping a bare parameter count (ignored with units).
   std::size_t bucket_bytes = std::size_t{32} << 20;
   std::size_t alignment_elements = 128;
   int max_reductions_in_flight = 2;
+  /// EngineOptions::buffer_cache_bytes (default: two of the largest bucket).
+  std::optional<std::size_t> buffer_cache_bytes;
   /// NcclCommunicator with HalfReduction::fp32_accumulate: fp32 scratch for
   /// the largest bucket.
   bool fp32_accumulate_reductions = false;
@@ -215,8 +218,9 @@ struct FitOptions {
 struct FitResult {
   std::size_t gpu_bytes = 0;
   FitOptions options;
-  /// Every configuration searched (stage 0-3 x offload x checkpointing; the
-  /// invalid stage-0 offload left out), fastest first, each with its fit.
+  /// Every configuration searched (stage 0-3 x offload x checkpointing, and
+  /// stage 3 with the parameters offloaded too; the invalid stage-0 offload
+  /// left out), fastest first, each with its fit.
   struct Candidate {
     Plan plan;
     bool fits = false;
@@ -233,8 +237,9 @@ struct FitResult {
   std::string table() const;
 };
 
-/// Searches stage (0-3) x offload_optimizer x activation checkpointing at the
-/// base input's world size and batch; everything else is kept.
+/// Searches stage (0-3) x offload_optimizer x activation checkpointing (plus
+/// offload_params at stage 3) at the base input's world size and batch;
+/// everything else is kept.
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options = {});
 
 /// For a trainer, before it allocates anything: nullopt when the plan's peak

@@ -354,7 +354,15 @@ int main(int argc, char** argv) {
     options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
     options.offload_optimizer = cfg.offload_optimizer;
     options.offload_params = cfg.offload_params;
-    const zero::plan::Plan run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
+    zero::plan::Plan run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
+    if (!cfg.max_gpu_memory.empty() &&
+        run_plan.gpu_peak() > zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory")) {
+      // Tight cap: the engine frees its transient blocks instead of caching
+      // them (each free then waits for the device; that is what the cap costs).
+      options.buffer_cache_bytes = 0;
+      run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
+      if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+    }
     if (leader && cfg.device == "cuda")  // the planner's constants are calibrated for the GPU
       std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
                   zero::format_bytes(run_plan.gpu_peak_lower()).c_str(), zero::format_bytes(run_plan.gpu_peak()).c_str(),

@@ -37,7 +37,7 @@ fi
 
 if has tests; then
   step "GPU engine tests (np 1 over NCCL, np 2 sharing the GPU)"
-  for np in 1 2; do
+  for np in ${TEST_RANKS:-1 2}; do
     timeout 240 mpirun -np $np --oversubscribe --bind-to none "$BUILD/tests/gpu_engine/zero_gpu_engine_tests" \
       > "$OUT/offload/gpu-engine-np$np.log" 2>&1
     echo "gpu engine np$np: exit $?" | tee -a "$LOG"
@@ -77,13 +77,13 @@ if has cap24; then
   run sdxl-stage2-b1-cap24-offload 200 --stage 2 --batch_size 1 --offload_optimizer true --max_gpu_memory 24GiB
 fi
 if has cap12; then
-  run sdxl-stage3-b1-cap12-offload-params 240 --stage 3 --batch_size 1 --offload_optimizer true --offload_params true \
+  run sdxl-stage3-b1-cap12-offload-params 200 --stage 3 --batch_size 1 --offload_optimizer true --offload_params true \
     --max_gpu_memory 12GiB
 fi
 if has b8; then
   # Throughput at batch 8: offloaded against on-device, same stage, same session.
-  run sdxl-stage2-b8-offload 200 --stage 2 --batch_size 8 --offload_optimizer true
-  run sdxl-stage2-b8-device 150 --stage 2 --batch_size 8
+  run sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
+  run sdxl-stage2-b8-device 120 --stage 2 --batch_size 8
 fi
 
 python3 - "$OUT/offload" <<'PY' | tee -a "$LOG"

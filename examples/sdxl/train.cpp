@@ -358,10 +358,16 @@ int main(int argc, char** argv) {
     if (!cfg.max_gpu_memory.empty() &&
         run_plan.gpu_peak() > zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory")) {
       // Tight cap: the engine frees its transient blocks instead of caching
-      // them (each free then waits for the device; that is what the cap costs).
-      options.buffer_cache_bytes = 0;
-      run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
-      if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+      // them (each free then waits for the device; that is what the cap
+      // costs), where that is what lets the run fit.
+      zero::EngineOptions uncached = options;
+      uncached.buffer_cache_bytes = 0;
+      zero::plan::Plan uncached_plan = plan_run(cfg, ucfg, uncached, world, host_comm.local_size());
+      if (uncached_plan.gpu_peak_lower() <= zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory")) {
+        options = uncached;
+        run_plan = std::move(uncached_plan);
+        if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+      }
     }
     if (leader && cfg.device == "cuda")  // the planner's constants are calibrated for the GPU
       std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",

@@ -387,9 +387,22 @@ struct Engine::Impl {
         // Offloaded parameters are updated where they live; nothing goes up.
         u.model_copy = offload_params ? param_shard + at * p_size : copy_host + at * p_size;
         u.model_dtype = pdt;
-        u.count = n;
-        cpu_optimizer_step(opt, scalars, u, CpuKernel::vectorized);
-        if (ema) cpu_ema_update(ema + at, master + at, n, ema_decay);
+        // In slices that fit the CPU's last-level cache, so the EMA reads the
+        // master weights the update just wrote from cache, not from DRAM
+        // (element-wise kernels: the same bits as one call over the bucket).
+        constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
+        for (std::size_t lo = 0; lo < n; lo += kSlice) {
+          const std::size_t count = std::min(kSlice, n - lo);
+          ShardUpdate part = u;
+          part.master = u.master + lo;
+          part.grad = static_cast<const std::byte*>(u.grad) + lo * g_size;
+          part.state0 = u.state0 ? u.state0 + lo : nullptr;
+          part.state1 = u.state1 ? u.state1 + lo : nullptr;
+          part.model_copy = u.model_copy ? static_cast<std::byte*>(u.model_copy) + lo * p_size : nullptr;
+          part.count = count;
+          cpu_optimizer_step(opt, scalars, part, CpuKernel::vectorized);
+          if (ema) cpu_ema_update(ema + at + lo, master + at + lo, count, ema_decay);
+        }
         if (offload_params) continue;
         std::byte* target = stage == 3 ? param_shard + at * p_size : params_full + own_offset(b) * p_size;
         backend.copy(target, copy_host + at * p_size, n * p_size, transfer);

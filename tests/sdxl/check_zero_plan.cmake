@@ -61,6 +61,16 @@ expect("--fit 4GiB exit status ${rc}, expected 3" rc EQUAL 3)
 string(FIND "${out}" "nothing fits 4.00 GiB" at)
 expect("--fit 4GiB output:\n${out}" NOT at EQUAL -1)
 
+# Parameter offload: stage 3 with the optimizer offloaded, else a clear error.
+run_plan(out rc err --unet-config sdxl-base --ema --stage 3 --offload-optimizer --offload-params --checkpointing --json)
+expect("--offload-params exit status ${rc}: ${err}" rc EQUAL 0)
+string(JSON on_gpu GET "${out}" gpu_bytes params)
+expect("--offload-params: params on the GPU ${on_gpu}" on_gpu EQUAL 0)
+run_plan(out rc err --unet-config sdxl-base --stage 2 --offload-optimizer --offload-params)
+expect("--offload-params at stage 2 exit status ${rc}" rc EQUAL 1)
+string(FIND "${err}" "offload_params needs stage 3 with offload_optimizer" at)
+expect("--offload-params at stage 2 message: ${err}" NOT at EQUAL -1)
+
 # Errors name the option.
 run_plan(out rc err --unet-config sdxl-base --fit 24XB)
 expect("--fit 24XB exit status ${rc}" rc EQUAL 1)

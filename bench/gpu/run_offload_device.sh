@@ -45,70 +45,24 @@ if has tests; then
   done
 fi
 
-run() {  # name, limit seconds, then trainer options
-  local name=$1 limit=$2
-  shift 2
-  step "$name: $*"
-  rm -rf "/tmp/$name"
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 5 > "$OUT/offload/$name.smi" 2>/dev/null &
-  local poller=$! start end
-  sleep 0.5
-  start=$(date +%s.%N)
-  timeout "$limit" mpirun -np 1 --bind-to none "$BUILD/examples/sdxl/train" --config examples/sdxl/configs/sdxl-1024.toml \
-    --steps "$STEPS" --warmup_steps 5 --log_every 5 --checkpoint_every 0 --save_final false --export_unet false \
-    --output_dir "/tmp/$name" "$@" > "$OUT/offload/$name.log" 2>&1
-  local code=$?
-  end=$(date +%s.%N)
-  kill "$poller" 2>/dev/null; wait "$poller" 2>/dev/null
-  grep -E "memory plan|block cache|GPU memory cap|error|Error|step +[0-9]+|^ *[0-9]+/" "$OUT/offload/$name.log" | tail -8 | tee -a "$LOG"
-  python3 - "$OUT/offload/$name.smi" <<'PY' | tee -a "$LOG"
-import sys
-v = [int(x) for x in open(sys.argv[1]).read().split() if x.strip().isdigit()]
-if v:
-    print(f"nvidia-smi: baseline {v[0]} MiB, peak {max(v)} MiB, in-step peak of the run {(max(v) - v[0]) / 1024:.2f} GiB ({len(v)} samples)")
-PY
-  echo "exit $code, wall $(python3 -c "print(round($end-$start,1))") s" | tee -a "$LOG"
-  cp "/tmp/$name/metrics.jsonl" "$OUT/offload/$name.jsonl" 2>/dev/null
-}
+OUT_DIR=$OUT/offload
+source bench/gpu/trainer_run.sh
 
 if has cap24; then
   # Must fail fast with the planner's message: no offload under 24 GiB.
-  run sdxl-stage0-b1-cap24-nooffload 90 --stage 0 --batch_size 1 --max_gpu_memory 24GiB
-  run sdxl-stage2-b1-cap24-offload 200 --stage 2 --batch_size 1 --offload_optimizer true --max_gpu_memory 24GiB
+  run_trainer sdxl-stage0-b1-cap24-nooffload 90 --stage 0 --batch_size 1 --max_gpu_memory 24GiB
+  run_trainer sdxl-stage2-b1-cap24-offload 200 --stage 2 --batch_size 1 --offload_optimizer true --max_gpu_memory 24GiB
 fi
 if has cap12; then
-  run sdxl-stage3-b1-cap12-offload-params 200 --stage 3 --batch_size 1 --offload_optimizer true --offload_params true \
+  run_trainer sdxl-stage3-b1-cap12-offload-params 200 --stage 3 --batch_size 1 --offload_optimizer true --offload_params true \
     --max_gpu_memory 12GiB
 fi
 if has b8; then
   # Throughput at batch 8: offloaded against on-device, same stage, same session.
-  run sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
-  run sdxl-stage2-b8-device 120 --stage 2 --batch_size 8
+  run_trainer sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
+  run_trainer sdxl-stage2-b8-device 120 --stage 2 --batch_size 8
 fi
 
-python3 - "$OUT/offload" <<'PY' | tee -a "$LOG"
-import glob, json, os, sys
-rows = []
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "sdxl-*.jsonl"))):
-    recs = [json.loads(l) for l in open(path) if l.strip()]
-    recs = [r for r in recs if r.get("images_per_s")]
-    if not recs:
-        continue
-    tail = [r for r in recs if r["step"] > 5] or recs
-    ips = sum(r["images_per_s"] for r in tail) / len(tail)
-    name = os.path.basename(path)[:-6]
-    row = {"name": name, "steps": recs[-1]["step"], "images_per_s": round(ips, 3),
-           "mfu": round(ips * 20.62e12 / 989e12, 4),
-           "between_steps_peak_gib": round(max(r["mem_max_bytes"] for r in recs) / 2**30, 2),
-           "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
-    smi = os.path.join(sys.argv[1], name + ".smi")
-    if os.path.exists(smi):
-        v = [int(x) for x in open(smi).read().split() if x.strip().isdigit()]
-        if v:
-            row["in_step_peak_gib_nvidia_smi"] = round((max(v) - v[0]) / 1024, 2)
-    rows.append(row)
-    print(json.dumps(row))
-json.dump(rows, open(os.path.join(sys.argv[1], "summary.json"), "w"), indent=1)
-PY
+summarize_runs "$OUT/offload" | tee -a "$LOG"
 step "done"
 cd "$OUT" && tar czf offload.tgz offload && rm -rf offload

@@ -320,6 +320,8 @@ int main(int argc, char** argv) {
       else
         device_comm = std::make_unique<zero::StagedCommunicator>(host_comm);
       backend = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
+      // Shapes are fixed per bucket: timing the algorithms once pays back.
+      at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark);
 #else
       ZERO_THROW(zero::InvalidArgument, "device = cuda: this build has no CUDA (configure with the cuda preset)");
 #endif
@@ -487,8 +489,9 @@ int main(int argc, char** argv) {
         torch::Tensor loss = diffusion_loss(out, target, weights);
         (loss * sharded.engine().loss_scale()).backward();
         sharded.finish_micro_step();
-        loss_sum += loss.item<double>();
+        loss_sum += loss.item<double>();  // waits for the device: the timings below are device-inclusive
       }
+      const auto step_call = std::chrono::steady_clock::now();
       // Non-finite gradients (agreed across ranks) skip the step; the engine
       // throws after max_nonfinite_steps of them in a row.
       const std::int64_t skipped_before = sharded.engine().steps_skipped();
@@ -500,6 +503,7 @@ int main(int argc, char** argv) {
         ZERO_THROW(zero::Error, "training stopped at step ", step + 1, ": ", e.what(),
                    " (max_nonfinite_steps = ", cfg.max_nonfinite_steps, " in [optimizer]; 0 never stops)");
       }
+      const double step_call_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_call).count();
       nonfinite_in_a_row = result.applied ? 0 : nonfinite_in_a_row + 1;
       if (!result.applied && leader) {
         const std::string limit = cfg.max_nonfinite_steps > 0
@@ -540,6 +544,15 @@ int main(int argc, char** argv) {
         record.loss_scale = result.loss_scale;
         record.skipped_steps = sharded.engine().steps_skipped();
         record.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        // Where a step's time goes (rank 0): forward/backward until the last
+        // loss is read back, the host time of step() (with offload: the CPU
+        // update, of which the gradient statistics and the update loop).
+        record.extra["timing/fwd_bwd_s"] = std::chrono::duration<double>(step_call - step_start).count();
+        record.extra["timing/step_call_s"] = step_call_seconds;
+        if (cfg.offload_optimizer) {
+          record.extra["timing/cpu_grad_stats_s"] = result.cpu_grad_stats_seconds;
+          record.extra["timing/cpu_update_s"] = result.cpu_update_seconds;
+        }
         jsonl->write(record);
         tensorboard->add_scalars({{"train/loss", loss_value}, {"train/lr", lr}, {"train/grad_norm", result.grad_norm},
                                   {"train/images_per_s", images_per_s}, {"train/mem_max_bytes", mem_range[0]}},

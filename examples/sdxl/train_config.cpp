@@ -78,6 +78,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
       {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
       {"device", "device", &c.device, "cpu or cuda"},
+      {"device", "cudnn_benchmark", &c.cudnn_benchmark,
+       "time cuDNN's convolution algorithms on the first step of each shape and keep the fastest"},
       {"device", "max_gpu_memory", &c.max_gpu_memory,
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
   };

@@ -59,6 +59,7 @@ struct TrainConfig {
   bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
   // [device]
   std::string device = "cpu";          // cpu, cuda
+  bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
 
   /// Throws zero::InvalidArgument naming the first key that is out of range.

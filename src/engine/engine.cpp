@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -698,6 +699,9 @@ StepResult Engine::step() {
   // Global statistics of the reduced gradients, each rank over the slices it
   // owns, summed in rank order: the same bits at every stage.
   GradStats local;
+  using Clock = std::chrono::steady_clock;
+  const auto stats_start = Clock::now();
+  StepResult result;
   if (m.stream_grads) {  // the gradients are in host memory: summed there, the same way
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       const GradStats part = cpu_grad_stats(m.grad_host + buckets[b].shard_offset * m.g_size, buckets[b].shard_size, m.gdt);
@@ -709,6 +713,7 @@ StepResult Engine::step() {
     for (std::size_t b = 0; b < buckets.size(); ++b) spans[b] = {m.reduced_grad(b), buckets[b].shard_size};
     local = be.grad_stats(spans.data(), spans.size(), m.gdt, compute);
   }
+  if (m.stream_grads) result.cpu_grad_stats_seconds = std::chrono::duration<double>(Clock::now() - stats_start).count();
   std::array<double, 2> global = {local.sum_squares, local.nonfinite ? 1.0 : 0.0};
   m.comm.all_reduce_host_f64(global.data(), 2, ReduceOp::sum);
   const bool nonfinite = global[1] > 0 || !std::isfinite(global[0]);
@@ -719,7 +724,6 @@ StepResult Engine::step() {
   const double divisor = scale_used * options_.accumulation_steps;
   const bool proceed = scaler_.update(nonfinite) && !nonfinite;
 
-  StepResult result;
   result.loss_scale = scaler_.scale();
   result.grad_norm = nonfinite ? std::numeric_limits<double>::infinity() : std::sqrt(global[0]) / divisor;
   if (proceed) {
@@ -746,7 +750,9 @@ StepResult Engine::step() {
       return options_.ema_warmup ? std::min(options_.ema_decay, (1 + t) / (10 + t)) : options_.ema_decay;
     }();
     if (m.offload) {
+      const auto update_start = Clock::now();
       m.offload_step(opt, scalars, ema_decay, m.param_gathers);
+      result.cpu_update_seconds = std::chrono::duration<double>(Clock::now() - update_start).count();
     } else if (m.stage == 0) {
       // Every rank updates everything: it first needs every reduced slice.
       std::vector<WorkPtr> gathers;

@@ -109,6 +109,11 @@ struct StepResult {
   double clip_coefficient = 1;
   double loss_scale = 1;
   std::int64_t step = 0;     // optimizer steps applied so far
+  /// Offload: host wall time of step()'s CPU work, the gradient statistics
+  /// of streamed gradients and the CPU update (optimizer, EMA, and waiting
+  /// for gradients still on their way down); 0 without offload.
+  double cpu_grad_stats_seconds = 0;
+  double cpu_update_seconds = 0;
 };
 
 class Engine {

@@ -7,14 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <condition_variable>
 #include <deque>
-#include <future>
 #include <limits>
 #include <functional>
 #include <map>
-#include <mutex>
-#include <thread>
 
 #include "zero/io/safetensors.hpp"
 
@@ -60,56 +56,6 @@ struct Pending {
 };
 }  // namespace
 
-namespace {
-/// One background thread running jobs in the order they were queued: the
-/// offload's gradient statistics, each bucket's as soon as its copy to the
-/// host has landed, while backward goes on. One thread keeps its OpenMP
-/// team warm across steps.
-class HostWorker {
- public:
-  ~HostWorker() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    ready_.notify_one();
-    if (thread_.joinable()) thread_.join();  // runs what is queued first
-  }
-  template <typename F>
-  auto submit(F job) -> std::future<decltype(job())> {
-    auto task = std::make_shared<std::packaged_task<decltype(job())()>>(std::move(job));
-    auto result = task->get_future();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
-      jobs_.emplace_back([task] { (*task)(); });
-    }
-    ready_.notify_one();
-    return result;
-  }
-
- private:
-  void run() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        ready_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      job();  // a packaged_task: exceptions go to its future
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable ready_;
-  std::deque<std::function<void()>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-}  // namespace
-
 struct Engine::Impl {
   Communicator& comm;
   Backend& backend;
@@ -133,11 +79,6 @@ struct Engine::Impl {
     Event copied = nullptr;
   };
   std::deque<Download> downloads;
-  // Streamed gradients: each bucket's statistics, computed on the worker as
-  // its copy lands; step() adds them in bucket order (the same sum as one
-  // pass over the buckets).
-  std::vector<std::future<GradStats>> bucket_stats;
-  HostWorker worker;  // ~Impl waits for its jobs before freeing what they read
 
   // Offload staging (pinned host): the reduced gradient shard copied down,
   // and the updated model-dtype shard to copy back up.
@@ -198,8 +139,6 @@ struct Engine::Impl {
       : comm(c), backend(b), layout(l), options(o) {}
 
   ~Impl() {
-    for (auto& stats : bucket_stats)  // jobs still queued read grad_host
-      if (stats.valid()) stats.wait();
     pending.clear();  // Work destructors wait
     param_gathers.clear();
     unit_work.clear();
@@ -389,19 +328,6 @@ struct Engine::Impl {
                    backend.comm_stream());
       d.copied = backend.record_event(backend.comm_stream());
       downloads.push_back(d);
-      Event landed = backend.record_event(backend.comm_stream());
-      const std::byte* host_slice = grad_host + bucket.shard_offset * g_size;
-      const std::size_t count = bucket.shard_size;
-      bucket_stats[entry.bucket] = worker.submit([this, landed, host_slice, count] {
-        try {
-          backend.wait_event(landed);
-        } catch (...) {
-          backend.release_event(landed);
-          throw;
-        }
-        backend.release_event(landed);
-        return cpu_grad_stats(host_slice, count, gdt);
-      });
       entry.scratch = nullptr;
       while (downloads.size() > static_cast<std::size_t>(options.max_reductions_in_flight)) retire_download();
     }
@@ -603,7 +529,6 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
   m.unit_refs.assign(buckets, 0);
   m.unit_work.resize(buckets);
   m.param_gathers.resize(buckets);
-  m.bucket_stats.resize(buckets);
 }
 
 // Impl refers to layout_ and options_: it must go before they do.
@@ -779,11 +704,7 @@ StepResult Engine::step() {
   StepResult result;
   if (m.stream_grads) {  // the gradients are in host memory: summed there, the same way
     for (std::size_t b = 0; b < buckets.size(); ++b) {
-      // Computed while backward ran (complete()); the same sum either way.
-      const GradStats part =
-          m.bucket_stats[b].valid()
-              ? m.bucket_stats[b].get()
-              : cpu_grad_stats(m.grad_host + buckets[b].shard_offset * m.g_size, buckets[b].shard_size, m.gdt);
+      const GradStats part = cpu_grad_stats(m.grad_host + buckets[b].shard_offset * m.g_size, buckets[b].shard_size, m.gdt);
       local.sum_squares += part.sum_squares;
       local.nonfinite = local.nonfinite || part.nonfinite;
     }

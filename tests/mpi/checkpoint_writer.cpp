@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "engine_steps.hpp"
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/engine.hpp"
 #include "zero/io/checkpoint.hpp"
@@ -37,22 +38,8 @@ std::vector<std::vector<ParamSpec>> units() {
 }
 
 void train_step(Engine& engine, int step, int rank) {
-  const DType g = engine.options().effective_grad_dtype();
-  std::vector<std::vector<float>> w(engine.param_count());
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
-  for (std::size_t p = 0; p < engine.param_count(); ++p)
-    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
-      w[p].push_back(load_as_float(engine.param_data(p), k, engine.options().param_dtype));
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
-  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
-  std::normal_distribution<float> normal;
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    void* grad = engine.grad_data(p);
-    for (std::size_t k = 0; k < w[p].size(); ++k) store_from_float(grad, k, g, w[p][k] - 0.5f + 0.1f * normal(rng));
-    engine.grad_ready(p);
-  }
-  engine.finish_micro_step();
-  if (!engine.step().applied) ZERO_THROW(InternalError, "step ", step, " was skipped");
+  if (!testing::run_step(engine, step, rank, testing::StepGradient::pull_to_half).applied)
+    ZERO_THROW(InternalError, "step ", step, " was skipped");
 }
 
 }  // namespace

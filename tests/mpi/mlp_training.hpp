@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "engine_steps.hpp"
 #include "zero/engine/engine.hpp"
 
 namespace zero::testing {
@@ -253,14 +254,6 @@ inline double max_relative_error(const std::vector<std::vector<float>>& a, const
   return worst;
 }
 
-inline bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i].size() != b[i].size()) return false;
-    if (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
-  }
-  return true;
-}
 
 inline std::vector<Config> configs() {
   std::vector<Config> out;

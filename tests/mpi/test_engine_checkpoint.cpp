@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "zero/comm/mpi_communicator.hpp"
+#include "engine_steps.hpp"
 #include "zero/engine/engine.hpp"
 
 using namespace zero;
@@ -33,35 +34,11 @@ EngineOptions options(int stage, DType dtype, bool offload = false) {
   return o;
 }
 
-void init(Engine& engine) {
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    std::vector<float> v(engine.layout().params()[p].numel);
-    for (float& x : v) x = normal(rng);
-    engine.set_param(p, v.data());
-  }
-}
+void init(Engine& engine) { testing::init_random_params(engine); }
 
 // One step with gradients that depend on (step, rank) and on the weights.
 void train_step(Engine& engine, int step, int rank) {
-  const DType g = engine.options().effective_grad_dtype();
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
-  std::vector<std::vector<float>> w(engine.param_count());
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    const std::size_t n = engine.layout().params()[p].numel;
-    for (std::size_t k = 0; k < n; ++k) w[p].push_back(load_as_float(engine.param_data(p), k, engine.options().param_dtype));
-  }
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
-  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
-  std::normal_distribution<float> normal;
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    void* grad = engine.grad_data(p);
-    for (std::size_t k = 0; k < w[p].size(); ++k) store_from_float(grad, k, g, w[p][k] - 0.5f + 0.1f * normal(rng));
-    engine.grad_ready(p);
-  }
-  engine.finish_micro_step();
-  REQUIRE(engine.step().applied);
+  REQUIRE(testing::run_step(engine, step, rank, testing::StepGradient::pull_to_half).applied);
 }
 
 std::string shard_path(const std::string& tag, int rank) {

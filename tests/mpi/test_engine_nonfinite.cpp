@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "zero/comm/mpi_communicator.hpp"
+#include "engine_steps.hpp"
 #include "zero/engine/engine.hpp"
 
 using namespace zero;
@@ -34,33 +35,13 @@ EngineOptions options(int stage, DType dtype, int max_consecutive_nonfinite) {
   return o;
 }
 
-void init(Engine& engine) {
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal;
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    std::vector<float> v(engine.layout().params()[p].numel);
-    for (float& x : v) x = normal(rng);
-    engine.set_param(p, v.data());
-  }
-}
+void init(Engine& engine) { testing::init_random_params(engine); }
 
 // One step with gradients that depend on (step, rank). poison_rank >= 0: that
 // rank writes a NaN into element 0 of parameter "a", which the reduce-scatter
 // hands to rank 0's shard only (the bucket's first slice).
 StepResult train_step(Engine& engine, int step, int rank, int poison_rank) {
-  const DType g = engine.options().effective_grad_dtype();
-  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
-  std::normal_distribution<float> normal;
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
-  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    void* grad = engine.grad_data(p);
-    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k) store_from_float(grad, k, g, 0.1f * normal(rng));
-    if (p == 0 && rank == poison_rank) store_from_float(grad, 0, g, std::numeric_limits<float>::quiet_NaN());
-    engine.grad_ready(p);
-  }
-  engine.finish_micro_step();
-  return engine.step();
+  return testing::run_step(engine, step, rank, testing::StepGradient::noise, poison_rank);
 }
 
 struct Snapshot {
@@ -72,14 +53,7 @@ Snapshot snapshot(Engine& engine) {
           engine.gather_optimizer_state(0), engine.gather_optimizer_state(1)};
 }
 
-bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() ||
-        (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0))
-      return false;
-  return true;
-}
+using testing::bitwise_equal;
 
 bool same(const Snapshot& a, const Snapshot& b) {
   return bitwise_equal(a.master, b.master) && bitwise_equal(a.model, b.model) && bitwise_equal(a.ema, b.ema) &&

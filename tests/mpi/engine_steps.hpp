@@ -1,0 +1,74 @@
+// Driving an engine through steps without a model, for the tests and test
+// programs that need weights, gradients and steps but no particular network:
+// random initial weights, one step's gradients that differ by (step, rank),
+// and bitwise comparison of gathered tensors. No doctest here: the
+// checkpoint_writer program uses it too.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "zero/engine/engine.hpp"
+
+namespace zero::testing {
+
+/// Every parameter from N(0, 1), the same values on every rank.
+inline void init_random_params(Engine& engine, std::uint32_t seed = 5) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    std::vector<float> v(engine.layout().params()[p].numel);
+    for (float& x : v) x = normal(rng);
+    engine.set_param(p, v.data());
+  }
+}
+
+/// The model-dtype parameters as floats, gathering each unit (stage 3) around the read.
+inline std::vector<std::vector<float>> read_model_params(Engine& engine) {
+  std::vector<std::vector<float>> w(engine.param_count());
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
+  for (std::size_t p = 0; p < engine.param_count(); ++p)
+    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+      w[p].push_back(load_as_float(engine.param_data(p), k, engine.options().param_dtype));
+  for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
+  return w;
+}
+
+enum class StepGradient {
+  pull_to_half,  // w - 0.5 + 0.1 * noise: depends on the weights, so a wrong update shows later
+  noise,         // 0.1 * noise
+};
+
+/// One micro-step whose gradients depend on (step, rank), then step().
+/// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0.
+inline StepResult run_step(Engine& engine, int step, int rank, StepGradient kind, int poison_rank = -1) {
+  const DType g = engine.options().effective_grad_dtype();
+  const std::vector<std::vector<float>> w = read_model_params(engine);
+  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
+  std::normal_distribution<float> normal;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    void* grad = engine.grad_data(p);
+    for (std::size_t k = 0; k < w[p].size(); ++k) {
+      const float noise = 0.1f * normal(rng);
+      store_from_float(grad, k, g, kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise);
+    }
+    if (p == 0 && rank == poison_rank) store_from_float(grad, 0, g, std::numeric_limits<float>::quiet_NaN());
+    engine.grad_ready(p);
+  }
+  engine.finish_micro_step();
+  return engine.step();
+}
+
+inline bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].size() != b[i].size()) return false;
+    if (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace zero::testing

@@ -213,8 +213,8 @@ KNOWN_SOURCES = {
         command="bash bench/gpu/run_device.sh -> build/dev/bench/gpu/gpu_bench_collectives --staged "
                 "--max-bytes 256M --json gpu-collectives-staged-np1.json"),
     "offload/summary.json": dict(
-        doc="offload.md", gpu="NVIDIA H200 (host: 16-core Intel Xeon VM)", date="2026-12-02 19:00-19:09 UTC",
-        command="bash bench/gpu/run_offload_device.sh"),
+        doc="offload.md", gpu="NVIDIA H200 (host: 16-core Intel Xeon VM)", date="2026-12-03 08:08-08:35 UTC",
+        command="bash bench/gpu/run_offload_device.sh (phases in offload.md)"),
     "sdxl-unet-fwdbwd.jsonl": dict(
         doc="sdxl-gpu.md", gpu="NVIDIA H200 (driver 580.159.04), CUDA 13.0, LibTorch 2.11.0+cu130",
         date="2026-12-02 16:48-16:55 UTC",

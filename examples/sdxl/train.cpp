@@ -262,9 +262,8 @@ void check_plan_fits(const TrainConfig& c, std::size_t cap, const zero::plan::Pl
 }
 
 #ifdef ZERO_TRAIN_CUDA
-void apply_gpu_memory_cap(const TrainConfig& c, const zero::Engine& engine, const zero::plan::Plan& plan, int device,
-                          int world, bool leader) {
-  const std::size_t cap = zero::parse_bytes(c.max_gpu_memory, "max_gpu_memory");
+void apply_gpu_memory_cap(const TrainConfig& c, std::size_t cap, const zero::Engine& engine,
+                          const zero::plan::Plan& plan, int device, int world, bool leader) {
   ZERO_CHECK_CUDA(cudaDeviceSynchronize());
   c10::cuda::CUDACachingAllocator::emptyCache();
   std::size_t free_bytes = 0, total_bytes = 0;
@@ -356,31 +355,35 @@ int main(int argc, char** argv) {
     options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
     options.offload_optimizer = cfg.offload_optimizer;
     options.offload_params = cfg.offload_params;
-    zero::plan::Plan run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
-    if (!cfg.max_gpu_memory.empty() &&
-        run_plan.gpu_peak() > zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory")) {
-      // Tight cap: the engine frees its transient blocks instead of caching
-      // them (each free then waits for the device; that is what the cap
-      // costs), where that is what lets the run fit.
-      zero::EngineOptions uncached = options;
-      uncached.buffer_cache_bytes = 0;
-      zero::plan::Plan uncached_plan = plan_run(cfg, ucfg, uncached, world, host_comm.local_size());
-      if (uncached_plan.gpu_peak_lower() <= zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory")) {
-        options = uncached;
-        run_plan = std::move(uncached_plan);
-        if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+    // The memory planner's view of the run (its constants are calibrated for
+    // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
+    const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
+    std::optional<zero::plan::Plan> run_plan;
+    if (cfg.device == "cuda") {
+      run_plan = plan_run(cfg, ucfg, options, world, host_comm.local_size());
+      if (cap > 0 && run_plan->gpu_peak() > cap) {
+        // Tight cap: the engine frees its transient blocks instead of caching
+        // them (each free then waits for the device; that is what the cap
+        // costs), where that is what lets the run fit.
+        zero::EngineOptions uncached = options;
+        uncached.buffer_cache_bytes = 0;
+        zero::plan::Plan uncached_plan = plan_run(cfg, ucfg, uncached, world, host_comm.local_size());
+        if (uncached_plan.gpu_peak_lower() <= cap) {
+          options = uncached;
+          run_plan = std::move(uncached_plan);
+          if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+        }
       }
+      if (leader)
+        std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
+                    zero::format_bytes(run_plan->gpu_peak_lower()).c_str(),
+                    zero::format_bytes(run_plan->gpu_peak()).c_str(),
+                    zero::format_bytes(run_plan->host_per_rank()).c_str());
+      if (cap > 0) check_plan_fits(cfg, cap, *run_plan);
     }
-    if (leader && cfg.device == "cuda")  // the planner's constants are calibrated for the GPU
-      std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
-                  zero::format_bytes(run_plan.gpu_peak_lower()).c_str(), zero::format_bytes(run_plan.gpu_peak()).c_str(),
-                  zero::format_bytes(run_plan.host_per_rank()).c_str());
-    if (!cfg.max_gpu_memory.empty())
-      check_plan_fits(cfg, zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory"), run_plan);
     zero::adapter::ShardedModel sharded(std::move(units), options, comm, *backend);
 #ifdef ZERO_TRAIN_CUDA
-    if (!cfg.max_gpu_memory.empty())
-      apply_gpu_memory_cap(cfg, sharded.engine(), run_plan, device.index(), world, leader);
+    if (cap > 0) apply_gpu_memory_cap(cfg, cap, sharded.engine(), *run_plan, device.index(), world, leader);
 #endif
     model->set_activation_checkpointing(cfg.activation_checkpointing);
     model->set_unit_runner([&sharded](std::size_t unit, const variable_list& inputs, const UNet2DConditionModelImpl::UnitBody& body,

@@ -22,17 +22,32 @@ using namespace zero::testing;
 
 namespace {
 int g_devices = 0;
+
+/// This rank's GPU and the communicator over it: NCCL when every rank of the
+/// node has its own GPU, the host-staged MPI path when ranks share one.
+struct DeviceRank {
+  bool own_gpu = false;
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Backend> backend;
+};
+
+DeviceRank device_rank(MpiCommunicator& host_comm) {
+  DeviceRank r;
+  r.own_gpu = host_comm.local_size() <= g_devices;
+  const int device = r.own_gpu ? host_comm.local_rank() : 0;
+  if (r.own_gpu) r.comm = std::make_unique<NcclCommunicator>(host_comm.mpi_comm(), NcclOptions{.device = device});
+  else r.comm = std::make_unique<StagedCommunicator>(host_comm);
+  r.backend = make_cuda_backend(device);
+  return r;
 }
+}  // namespace
 
 TEST_CASE("engine on GPU, stages 0..3, equals the CPU engine") {
   MpiCommunicator host_comm;
   auto host_backend = make_host_backend();
-  const bool own_gpu = host_comm.local_size() <= g_devices;
-  const int device = own_gpu ? host_comm.local_rank() : 0;
-  std::unique_ptr<Communicator> device_comm;
-  if (own_gpu) device_comm = std::make_unique<NcclCommunicator>(host_comm.mpi_comm(), NcclOptions{.device = device});
-  else device_comm = std::make_unique<StagedCommunicator>(host_comm);
-  auto device_backend = make_cuda_backend(device);
+  DeviceRank dev = device_rank(host_comm);
+  Communicator* device_comm = dev.comm.get();
+  Backend* device_backend = dev.backend.get();
   if (host_comm.rank() == 0)
     MESSAGE(host_comm.size(), " ranks on ", g_devices, " GPU(s): ", device_comm->backend_name());
   for (const Config& c : configs()) {
@@ -67,12 +82,10 @@ TEST_CASE("engine on GPU, stages 0..3, equals the CPU engine") {
 // run within the GPU-vs-CPU tolerance (the device kernels contract to FMA).
 TEST_CASE("offloaded optimizer and parameters on the GPU") {
   MpiCommunicator host_comm;
-  const bool own_gpu = host_comm.local_size() <= g_devices;
-  const int device = own_gpu ? host_comm.local_rank() : 0;
-  std::unique_ptr<Communicator> device_comm;
-  if (own_gpu) device_comm = std::make_unique<NcclCommunicator>(host_comm.mpi_comm(), NcclOptions{.device = device});
-  else device_comm = std::make_unique<StagedCommunicator>(host_comm);
-  auto device_backend = make_cuda_backend(device);
+  DeviceRank dev = device_rank(host_comm);
+  const bool own_gpu = dev.own_gpu;
+  Communicator* device_comm = dev.comm.get();
+  Backend* device_backend = dev.backend.get();
   for (Config c : configs()) {
     c.ema_decay = 0.9;
     CAPTURE(c.dtype);
@@ -101,11 +114,7 @@ TEST_CASE("offloaded optimizer and parameters on the GPU") {
       }
     }
     offloaded.offload_params = true;
-    const Trained params_off = train_sharded(offloaded, 3, *device_comm, *device_backend);
-    CHECK(bitwise_equal(params_off.master, off.back().master));
-    CHECK(bitwise_equal(params_off.model, off.back().model));
-    CHECK(bitwise_equal(params_off.ema, off.back().ema));
-    CHECK(params_off.norms == off.back().norms);
+    check_bitwise_same_training(train_sharded(offloaded, 3, *device_comm, *device_backend), off.back());
   }
 }
 

@@ -241,6 +241,14 @@ inline Trained train_reference(const Config& c, int world) {
 // worst over tensors. (Elementwise ratios are dominated by values that pass
 // near zero: there a few-ulp difference in the gradient sum order, which
 // sharding legitimately changes, reads as 1e-6 of a tiny number.)
+/// The same training, bit for bit: weights, model copy, EMA and gradient norms.
+inline void check_bitwise_same_training(const Trained& got, const Trained& want) {
+  CHECK(bitwise_equal(got.master, want.master));
+  CHECK(bitwise_equal(got.model, want.model));
+  CHECK(bitwise_equal(got.ema, want.ema));
+  CHECK(got.norms == want.norms);
+}
+
 inline double max_relative_error(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {

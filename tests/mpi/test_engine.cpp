@@ -68,18 +68,10 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       const Trained on_device = train_sharded(c, stage, comm, *backend);
       Config offloaded = c;
       offloaded.offload = true;
-      const Trained off = train_sharded(offloaded, stage, comm, *backend);
-      CHECK(bitwise_equal(off.master, on_device.master));
-      CHECK(bitwise_equal(off.model, on_device.model));
-      CHECK(bitwise_equal(off.ema, on_device.ema));
-      CHECK(off.norms == on_device.norms);
+      check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
       if (stage == 3) {  // and the parameter shard in host memory as well
         offloaded.offload_params = true;
-        const Trained params_off = train_sharded(offloaded, stage, comm, *backend);
-        CHECK(bitwise_equal(params_off.master, on_device.master));
-        CHECK(bitwise_equal(params_off.model, on_device.model));
-        CHECK(bitwise_equal(params_off.ema, on_device.ema));
-        CHECK(params_off.norms == on_device.norms);
+        check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
       }
     }
   }

@@ -355,6 +355,8 @@ int main(int argc, char** argv) {
     options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
     options.offload_optimizer = cfg.offload_optimizer;
     options.offload_params = cfg.offload_params;
+    options.offload_delayed_update = cfg.offload_delayed_update;
+    options.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
     // The memory planner's view of the run (its constants are calibrated for
     // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
     const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
@@ -555,6 +557,7 @@ int main(int argc, char** argv) {
         if (cfg.offload_optimizer) {
           record.extra["timing/cpu_grad_stats_s"] = result.cpu_grad_stats_seconds;
           record.extra["timing/cpu_update_s"] = result.cpu_update_seconds;
+          if (cfg.offload_delayed_update) record.extra["timing/cpu_update_wait_s"] = result.cpu_update_wait_seconds;
         }
         jsonl->write(record);
         tensorboard->add_scalars({{"train/loss", loss_value}, {"train/lr", lr}, {"train/grad_norm", result.grad_norm},

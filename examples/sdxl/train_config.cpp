@@ -68,6 +68,11 @@ std::vector<Option> options_of(TrainConfig& c) {
        "keep master weights, optimizer state and EMA in pinned host memory, updated by the CPU (stages 1-3)"},
       {"zero", "offload_params", &c.offload_params,
        "stage 3 with offload_optimizer: keep the parameter shards in pinned host memory as well (only gathered units on the GPU)"},
+      {"zero", "offload_delayed_update", &c.offload_delayed_update,
+       "with offload_optimizer: run the CPU update while the next step computes (ZeRO-Offload's delayed parameter "
+       "update: each forward sees the parameters one update old)"},
+      {"zero", "delayed_update_warmup", &c.delayed_update_warmup,
+       "with offload_delayed_update: this many first steps update synchronously"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
       {"output", "log_every", &c.log_every, "steps between log lines"},
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
@@ -215,6 +220,12 @@ void TrainConfig::validate() const {
   ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
              "offload_params needs stage = 3 and offload_optimizer = true, got stage ", stage,
              offload_optimizer ? "" : " without offload_optimizer");
+  ZERO_CHECK(!offload_delayed_update || (offload_optimizer && !offload_params && accumulation == 1),
+             "offload_delayed_update needs offload_optimizer = true, offload_params = false and accumulation = 1, got ",
+             offload_optimizer ? "" : "offload_optimizer = false, ", offload_params ? "offload_params = true, " : "",
+             "accumulation = ", accumulation);
+  ZERO_CHECK(delayed_update_warmup >= 0 && delayed_update_warmup <= std::numeric_limits<int>::max(),
+             "delayed_update_warmup must be >= 0, got ", delayed_update_warmup);
   if (!max_gpu_memory.empty()) {
     ZERO_CHECK(device == "cuda", "max_gpu_memory applies to device = \"cuda\" only");
     ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");

@@ -11,6 +11,10 @@
 #include <limits>
 #include <functional>
 #include <map>
+#include <thread>
+#include <utility>
+
+#include <omp.h>
 
 #include "zero/io/safetensors.hpp"
 
@@ -41,6 +45,13 @@ void EngineOptions::validate() const {
              "EngineOptions.offload_params needs stage 3 with offload_optimizer, got stage ", stage,
              offload_optimizer ? "" : " without offload_optimizer",
              " (below stage 3 every rank keeps the full parameters on the device)");
+  ZERO_CHECK(!offload_delayed_update || (offload_optimizer && accumulation_steps == 1 && !offload_params),
+             "EngineOptions.offload_delayed_update needs offload_optimizer with accumulation_steps 1 and without "
+             "offload_params, got ",
+             offload_optimizer ? "" : "no offload_optimizer, ", "accumulation_steps ", accumulation_steps,
+             offload_params ? ", offload_params" : "");
+  ZERO_CHECK(delayed_update_warmup_steps >= 0, "EngineOptions.delayed_update_warmup_steps must be >= 0, got ",
+             delayed_update_warmup_steps);
   optimizer.validate();
   if (effective_loss_scaling()) loss_scaler.validate();
 }
@@ -83,7 +94,7 @@ struct Engine::Impl {
   // Offload staging (pinned host): the reduced gradient shard copied down,
   // and the updated model-dtype shard to copy back up.
   std::byte* grad_host = nullptr;
-  std::byte* copy_host = nullptr;
+  std::byte* copy_host = nullptr;  // copies[0]; delayed updates alternate between copies[0] and [1]
   std::array<std::size_t, kCategories> host_current{}, host_peak{};
 
   // Persistent buffers (backend memory).
@@ -139,6 +150,12 @@ struct Engine::Impl {
       : comm(c), backend(b), layout(l), options(o) {}
 
   ~Impl() {
+    if (update_thread.joinable()) update_thread.join();  // its error, if any, has no one left to go to
+    for (Event& e : copy_uploaded)
+      if (e) {
+        backend.wait_event(e);
+        backend.release_event(e);
+      }
     pending.clear();  // Work destructors wait
     param_gathers.clear();
     unit_work.clear();
@@ -169,7 +186,9 @@ struct Engine::Impl {
       else release_ptr(state, optimizer_elements * 4);
     }
     release_host(grad_host, shard * g_size);
-    release_host(copy_host, shard * p_size);
+    release_host(grad_host_spare, shard * g_size);
+    release_host(copies[0], shard * p_size);
+    release_host(copies[1], shard * p_size);
     release_ptr(grads_full, full * g_size);
     release_ptr(grad_shard, shard * g_size);
   }
@@ -350,13 +369,68 @@ struct Engine::Impl {
     if (d.scratch) give_back(kBuffers, d.scratch, d.bytes);
   }
 
+  /// The CPU update of this rank's slice of bucket b from the gradients at
+  /// grads (a shard laid out like grad_host): master, state and EMA, and the
+  /// model-dtype values written to copy (a shard like copy_host) or, with
+  /// offloaded parameters, to the parameter shard itself.
+  void cpu_update_bucket(std::size_t b, const OptimizerOptions& opt, const StepScalars& scalars, double ema_decay,
+                         const std::byte* grads, std::byte* copy) {
+    const Bucket& bucket = layout.buckets()[b];
+    const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
+    ShardUpdate u;
+    u.master = master + at;
+    u.grad = grads + at * g_size;
+    u.grad_dtype = gdt;
+    u.state0 = state0 ? state0 + at : nullptr;
+    u.state1 = state1 ? state1 + at : nullptr;
+    // Offloaded parameters are updated where they live; nothing goes up.
+    u.model_copy = offload_params ? param_shard + at * p_size : copy + at * p_size;
+    u.model_dtype = pdt;
+    // In slices that fit the CPU's last-level cache, so the EMA reads the
+    // master weights the update just wrote from cache, not from DRAM
+    // (element-wise kernels: the same bits as one call over the bucket).
+    constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
+    for (std::size_t lo = 0; lo < n; lo += kSlice) {
+      const std::size_t count = std::min(kSlice, n - lo);
+      ShardUpdate part = u;
+      part.master = u.master + lo;
+      part.grad = static_cast<const std::byte*>(u.grad) + lo * g_size;
+      part.state0 = u.state0 ? u.state0 + lo : nullptr;
+      part.state1 = u.state1 ? u.state1 + lo : nullptr;
+      part.model_copy = u.model_copy ? static_cast<std::byte*>(u.model_copy) + lo * p_size : nullptr;
+      part.count = count;
+      cpu_optimizer_step(opt, scalars, part, CpuKernel::vectorized);
+      if (ema) cpu_ema_update(ema + at + lo, master + at + lo, count, ema_decay);
+    }
+  }
+
+  /// Bucket b's updated model-dtype slice from the host copy up into this
+  /// rank's place on the device; stages 1-2 then start its all-gather (left
+  /// in flight like the device path's).
+  void upload_bucket(std::size_t b, const std::byte* copy, std::vector<WorkPtr>& gathers) {
+    const Bucket& bucket = layout.buckets()[b];
+    const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
+    const Stream transfer = backend.comm_stream();
+    std::byte* target = stage == 3 ? param_shard + at * p_size : params_full + own_offset(b) * p_size;
+    backend.copy(target, copy + at * p_size, n * p_size, transfer);
+    if (stage <= 2)
+      gathers[b] = comm.all_gather(params_full + own_offset(b) * p_size, params_full + bucket.offset * p_size, n, pdt,
+                                   transfer);
+  }
+  void finish_uploads() {
+    if (stage == 3 && !offload_params) {  // the next forward's gathers read param_shard on the comm stream: already ordered
+      Event up = backend.record_event(backend.comm_stream());
+      backend.stream_wait(backend.compute_stream(), up);
+      backend.release_event(up);
+    }
+  }
+
   /// The optimizer step with offloaded state (stages 1-3): per bucket, the
   /// reduced gradient slice goes down to pinned host memory (comm stream),
   /// the CPU updates master, state and EMA and writes the model-dtype copy,
-  /// which goes back up into this rank's slice; stages 1-2 then start the
-  /// bucket's all-gather (left in flight like the device path's). All
-  /// transfers are queued on the comm stream up front or as each bucket is
-  /// done, so bucket b's update overlaps b+1's download and b-1's upload.
+  /// which goes back up into this rank's slice. All transfers are queued on
+  /// the comm stream up front or as each bucket is done, so bucket b's
+  /// update overlaps b+1's download and b-1's upload.
   void offload_step(const OptimizerOptions& opt, const StepScalars& scalars, double ema_decay,
                     std::vector<WorkPtr>& gathers) {
     const auto& buckets = layout.buckets();
@@ -372,54 +446,93 @@ struct Engine::Impl {
         down[b] = backend.record_event(transfer);
       }
       for (std::size_t b = 0; b < buckets.size(); ++b) {
-        const Bucket& bucket = buckets[b];
-        const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
         if (down[b]) {
           backend.wait_event(down[b]);
           backend.release_event(down[b]);
           down[b] = nullptr;
         }
-        ShardUpdate u;
-        u.master = master + at;
-        u.grad = grad_host + at * g_size;
-        u.grad_dtype = gdt;
-        u.state0 = state0 ? state0 + at : nullptr;
-        u.state1 = state1 ? state1 + at : nullptr;
-        // Offloaded parameters are updated where they live; nothing goes up.
-        u.model_copy = offload_params ? param_shard + at * p_size : copy_host + at * p_size;
-        u.model_dtype = pdt;
-        // In slices that fit the CPU's last-level cache, so the EMA reads the
-        // master weights the update just wrote from cache, not from DRAM
-        // (element-wise kernels: the same bits as one call over the bucket).
-        constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
-        for (std::size_t lo = 0; lo < n; lo += kSlice) {
-          const std::size_t count = std::min(kSlice, n - lo);
-          ShardUpdate part = u;
-          part.master = u.master + lo;
-          part.grad = static_cast<const std::byte*>(u.grad) + lo * g_size;
-          part.state0 = u.state0 ? u.state0 + lo : nullptr;
-          part.state1 = u.state1 ? u.state1 + lo : nullptr;
-          part.model_copy = u.model_copy ? static_cast<std::byte*>(u.model_copy) + lo * p_size : nullptr;
-          part.count = count;
-          cpu_optimizer_step(opt, scalars, part, CpuKernel::vectorized);
-          if (ema) cpu_ema_update(ema + at + lo, master + at + lo, count, ema_decay);
-        }
-        if (offload_params) continue;
-        std::byte* target = stage == 3 ? param_shard + at * p_size : params_full + own_offset(b) * p_size;
-        backend.copy(target, copy_host + at * p_size, n * p_size, transfer);
-        if (stage <= 2)
-          gathers[b] = comm.all_gather(params_full + own_offset(b) * p_size, params_full + bucket.offset * p_size, n,
-                                       pdt, transfer);
+        cpu_update_bucket(b, opt, scalars, ema_decay, grad_host, copy_host);
+        if (!offload_params) upload_bucket(b, copy_host, gathers);
       }
     } catch (...) {
       for (Event e : down) backend.release_event(e);
       throw;
     }
-    if (stage == 3 && !offload_params) {  // the next forward's gathers read param_shard on the comm stream: already ordered
-      Event up = backend.record_event(transfer);
-      backend.stream_wait(backend.compute_stream(), up);
-      backend.release_event(up);
+    finish_uploads();
+  }
+
+  // ------------------------------------------------ delayed parameter update
+  // Two gradient shards (backward streams into grad_host while the update
+  // reads the other) and two parameter copies (the update writes one while
+  // the other may still be going up).
+  bool delayed = false;
+  std::byte* grad_host_spare = nullptr;
+  std::array<std::byte*, 2> copies{};
+  std::array<Event, 2> copy_uploaded{};  // the last upload out of copies[i]
+  int update_copy = 0;                   // the copy the running (or finished) update writes
+  std::thread update_thread;
+  std::exception_ptr update_error;
+  double update_seconds = 0;
+  bool upload_pending = false;           // an update finished (or running) whose values are not up yet
+
+  /// Starts the CPU update of the gradients in grad_host on a background
+  /// thread; the next backward streams into the other gradient shard.
+  void start_delayed_update(const OptimizerOptions& opt, const StepScalars& scalars, double ema_decay) {
+    ZERO_ASSERT(!update_thread.joinable(), "a delayed update is already running");
+    std::swap(grad_host, grad_host_spare);
+    const std::byte* grads = grad_host_spare;
+    update_copy ^= 1;
+    if (copy_uploaded[update_copy]) {  // queued a step ago: normally long done
+      backend.wait_event(copy_uploaded[update_copy]);
+      backend.release_event(copy_uploaded[update_copy]);
+      copy_uploaded[update_copy] = nullptr;
     }
+    std::byte* copy = copies[update_copy];
+    upload_pending = true;
+    update_error = nullptr;
+    update_thread = std::thread([this, opt, scalars, ema_decay, grads, copy] {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        // Leave a core to the thread that drives the device meanwhile.
+        omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+        for (std::size_t b = 0; b < layout.buckets().size(); ++b)
+          cpu_update_bucket(b, opt, scalars, ema_decay, grads, copy);
+      } catch (...) {
+        update_error = std::current_exception();
+      }
+      update_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  }
+  /// Waits for the background update; rethrows what it threw. Returns the seconds waited.
+  double join_delayed_update() {
+    if (!update_thread.joinable()) return 0;
+    const auto start = std::chrono::steady_clock::now();
+    update_thread.join();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (update_error) {
+      upload_pending = false;
+      std::rethrow_exception(std::exchange(update_error, nullptr));
+    }
+    return waited;
+  }
+  /// Queues the finished update's parameters up (and their gathers).
+  void upload_delayed_update(std::vector<WorkPtr>& gathers) {
+    if (!upload_pending) return;
+    ZERO_ASSERT(!update_thread.joinable(), "upload before the delayed update was joined");
+    // The device may still be running backward, which reads the parameters.
+    Event computed = backend.record_event(backend.compute_stream());
+    backend.stream_wait(backend.comm_stream(), computed);
+    backend.release_event(computed);
+    for (std::size_t b = 0; b < layout.buckets().size(); ++b) upload_bucket(b, copies[update_copy], gathers);
+    copy_uploaded[update_copy] = backend.record_event(backend.comm_stream());
+    finish_uploads();
+    upload_pending = false;
+  }
+  /// Before anything reads or writes the state: the pending update joined and uploaded.
+  void settle_delayed_update(std::vector<WorkPtr>& gathers) {
+    if (!delayed) return;
+    join_delayed_update();
+    upload_delayed_update(gathers);
   }
 
   void complete_all() {
@@ -506,7 +619,12 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
     if (slots >= 2) m.state1 = m.allocate_host<float>(kState, shard * 4);
     if (options_.ema_decay > 0) m.ema = m.allocate_host<float>(kEma, shard * 4);
     m.grad_host = m.allocate_host(kBuffers, shard * m.g_size);
-    if (!m.offload_params) m.copy_host = m.allocate_host(kBuffers, shard * m.p_size);
+    if (!m.offload_params) m.copy_host = m.copies[0] = m.allocate_host(kBuffers, shard * m.p_size);
+    m.delayed = options_.offload_delayed_update;
+    if (m.delayed) {
+      m.grad_host_spare = m.allocate_host(kBuffers, shard * m.g_size);
+      m.copies[1] = m.allocate_host(kBuffers, shard * m.p_size);
+    }
   } else {
     if (m.pdt != DType::fp32) m.master = m.allocate<float>(kMaster, optimizer_elements * 4);
     if (slots >= 1) m.state0 = m.allocate<float>(kState, optimizer_elements * 4);
@@ -540,6 +658,7 @@ void Engine::set_param(std::size_t param, const float* host_values) {
   ZERO_CHECK(param < layout_.params().size(), "set_param: parameter index ", param, " of ",
              layout_.params().size());
   Impl& m = *impl_;
+  m.settle_delayed_update(m.param_gathers);
   m.finish_param_gathers();
   const ParamSlot& slot = layout_.slots()[param];
   ZERO_CHECK(host_values != nullptr || slot.numel == 0, "set_param('", layout_.params()[param].name,
@@ -723,6 +842,15 @@ StepResult Engine::step() {
   const double scale_used = scaler_.scale();
   const double divisor = scale_used * options_.accumulation_steps;
   const bool proceed = scaler_.update(nonfinite) && !nonfinite;
+  if (m.delayed) {
+    // The last step's update (run while this step's forward and backward
+    // were on the device) is done before anything else touches the state,
+    // and its parameters go up whether or not this step applies.
+    const bool was_running = m.update_thread.joinable();
+    result.cpu_update_wait_seconds = m.join_delayed_update();
+    if (was_running) result.cpu_update_seconds = m.update_seconds;
+    m.upload_delayed_update(m.param_gathers);
+  }
 
   result.loss_scale = scaler_.scale();
   result.grad_norm = nonfinite ? std::numeric_limits<double>::infinity() : std::sqrt(global[0]) / divisor;
@@ -749,7 +877,9 @@ StepResult Engine::step() {
       const double t = static_cast<double>(step_);
       return options_.ema_warmup ? std::min(options_.ema_decay, (1 + t) / (10 + t)) : options_.ema_decay;
     }();
-    if (m.offload) {
+    if (m.delayed && step_ > options_.delayed_update_warmup_steps) {
+      m.start_delayed_update(opt, scalars, ema_decay);  // joined and uploaded at the next step()
+    } else if (m.offload) {
       const auto update_start = Clock::now();
       m.offload_step(opt, scalars, ema_decay, m.param_gathers);
       result.cpu_update_seconds = std::chrono::duration<double>(Clock::now() - update_start).count();
@@ -869,6 +999,7 @@ std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
 
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
   Impl& m = *impl_;
+  m.settle_delayed_update(m.param_gathers);
   m.finish_param_gathers();
   Backend& be = m.backend;
   const std::size_t full = layout_.padded_numel();
@@ -901,6 +1032,7 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
 
 std::vector<std::vector<float>> Engine::gather_model_params() {
   Impl& m = *impl_;
+  m.settle_delayed_update(m.param_gathers);
   m.finish_param_gathers();
   Backend& be = m.backend;
   const std::size_t full = layout_.padded_numel();
@@ -968,7 +1100,8 @@ ModelStateConfig model_state_config(const EngineOptions& o, std::size_t padded_n
           .accumulation_steps = o.accumulation_steps,
           .ema = o.ema_decay > 0,
           .offload_optimizer = o.offload_optimizer,
-          .offload_params = o.offload_params};
+          .offload_params = o.offload_params,
+          .offload_delayed_update = o.offload_delayed_update};
 }
 
 MemoryByCategory Engine::predicted_host_state() const {
@@ -1012,6 +1145,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
   Backend& be = m.backend;
   ZERO_CHECK(micro_step_ == 0, "save_state: in the middle of a step (", micro_step_,
              " micro-steps done); save between steps");
+  m.settle_delayed_update(m.param_gathers);
   m.finish_param_gathers();
   be.synchronize(be.compute_stream());
   const std::size_t shard = layout_.shard_numel();
@@ -1193,7 +1327,9 @@ void Engine::load_state_resharded(const std::vector<std::string>& paths) {
 void Engine::restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json,
                            const std::string& path) {
   Impl& m = *impl_;
+  m.settle_delayed_update(m.param_gathers);
   m.finish_param_gathers();
+  m.backend.synchronize(m.backend.comm_stream());  // uploads out of the host copies are done
   Backend& be = m.backend;
   const nlohmann::json state = nlohmann::json::parse(state_json);
   if (state.value("optimizer", std::string()) != name_of(options_.optimizer.kind) ||

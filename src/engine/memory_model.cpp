@@ -57,6 +57,11 @@ MemoryByCategory host_model_state_bytes(const ModelStateConfig& c) {
   h.ema = c.ema ? shard * 4 : 0;
   h.params = c.offload_params ? shard * size_of(c.param_dtype) : 0;
   h.buffers = shard * (size_of(c.grad_dtype) + (c.offload_params ? 0 : size_of(c.param_dtype)));
+  if (c.offload_delayed_update) {
+    ZERO_CHECK(!c.offload_params && c.accumulation_steps == 1,
+               "offload_delayed_update needs offload_optimizer with one micro-step per step and no offload_params");
+    h.buffers *= 2;  // the update reads and writes one pair while backward streams into the other
+  }
   return h;
 }
 

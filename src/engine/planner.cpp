@@ -94,6 +94,8 @@ void PlanInput::validate() const {
              "plan: offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps a full optimizer on every rank)");
   ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
              "plan: offload_params needs stage 3 with offload_optimizer");
+  ZERO_CHECK(!offload_delayed_update || (offload_optimizer && !offload_params && accumulation_steps == 1),
+             "plan: offload_delayed_update needs offload_optimizer with one micro-step per step and no offload_params");
   ZERO_CHECK(accumulation_steps >= 1, "plan: accumulation_steps must be >= 1, got ", accumulation_steps);
   ZERO_CHECK(bucket_bytes >= 1, "plan: bucket_bytes must be >= 1");
   ZERO_CHECK(alignment_elements >= 1, "plan: alignment_elements must be >= 1");
@@ -362,6 +364,7 @@ PlanInput input_from_engine_options(const EngineOptions& options, int world_size
   in.ema = options.ema_decay > 0;
   in.offload_optimizer = options.offload_optimizer;
   in.offload_params = options.offload_params;
+  in.offload_delayed_update = options.offload_delayed_update;
   in.accumulation = options.accumulation;
   in.accumulation_steps = options.accumulation_steps;
   in.bucket_bytes = options.bucket_bytes;
@@ -392,7 +395,8 @@ Plan make_plan(const PlanInput& input) {
                                .accumulation_steps = input.accumulation_steps,
                                .ema = input.ema,
                                .offload_optimizer = input.offload_optimizer,
-                               .offload_params = input.offload_params};
+                               .offload_params = input.offload_params,
+                               .offload_delayed_update = input.offload_delayed_update};
   plan.model_state = model_state_bytes(state);
   plan.host_state = host_model_state_bytes(state);
 
@@ -449,12 +453,15 @@ double Plan::relative_time() const {
                            s.pcie_bytes_per_second);
     if (input.offload_params) offload += 2.0 * input.accumulation_steps * shard * p / s.pcie_bytes_per_second;
   }
-  return (gpu + offload) / (plain * input.accumulation_steps);
+  // A delayed update runs beside the next step's device work: the slower counts.
+  const double step = input.offload_delayed_update ? std::max(gpu, offload) : gpu + offload;
+  return step / (plain * input.accumulation_steps);
 }
 
 std::string Plan::label() const {
   std::string text = "stage " + std::to_string(input.stage);
   if (input.offload_optimizer) text += input.offload_params ? ", offload (optimizer + params)" : ", offload";
+  if (input.offload_delayed_update) text += ", delayed update";
   text += input.activation_checkpointing ? ", checkpointing" : ", no checkpointing";
   text += ", batch " + std::to_string(input.batch);
   return text;
@@ -503,6 +510,7 @@ json plan_json(const Plan& p) {
                  {"ema", in.ema},
                  {"offload_optimizer", in.offload_optimizer},
                  {"offload_params", in.offload_params},
+                 {"offload_delayed_update", in.offload_delayed_update},
                  {"accumulation_steps", in.accumulation_steps},
                  {"accumulation", in.accumulation == GradAccumulation::reduce_at_boundary ? "boundary" : "each"},
                  {"max_reductions_in_flight", in.max_reductions_in_flight},

@@ -42,11 +42,12 @@ enum class StepGradient {
   noise,         // 0.1 * noise
 };
 
-/// One micro-step whose gradients depend on (step, rank), then step().
+/// One micro-step whose gradients depend on (step, rank) and, for
+/// pull_to_half, on the weights w, then step().
 /// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0.
-inline StepResult run_step(Engine& engine, int step, int rank, StepGradient kind, int poison_rank = -1) {
+inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<float>>& w, int step, int rank,
+                                StepGradient kind, int poison_rank = -1) {
   const DType g = engine.options().effective_grad_dtype();
-  const std::vector<std::vector<float>> w = read_model_params(engine);
   std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
   std::normal_distribution<float> normal;
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
@@ -60,6 +61,11 @@ inline StepResult run_step(Engine& engine, int step, int rank, StepGradient kind
   }
   engine.finish_micro_step();
   return engine.step();
+}
+
+/// run_step_from on the engine's own current parameters.
+inline StepResult run_step(Engine& engine, int step, int rank, StepGradient kind, int poison_rank = -1) {
+  return run_step_from(engine, read_model_params(engine), step, rank, kind, poison_rank);
 }
 
 inline bool bitwise_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {

@@ -7,7 +7,8 @@
 2. The same at stage 3: the same loss trajectory bit for bit (stages 0..3
    are bitwise identical at the same world size); and at stage 3 with the
    optimizer and parameters offloaded to host memory; offload_params below
-   stage 3 is refused.
+   stage 3 is refused. The delayed update (DPU): warm-up steps equal, then
+   departs and still trains; resuming continues it exactly.
 3. N=1 with the same global batch: the trajectory agrees with N=2 within a
    stated tolerance (only the order of gradient sums differs).
 4. Stopped after 15 steps and resumed: steps 16..30 equal the uninterrupted run;
@@ -45,9 +46,9 @@ def train(name, ranks, *overrides):
 
 def resume(name, ranks, *overrides, fresh=False):
     out = os.path.join(WORK, name)
+    defaults = [] if "--checkpoint_every" in overrides else ["--checkpoint_every", "0"]
     cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, TRAIN, "--config", CONFIG, "--output_dir", out,
-           "--steps", str(STEPS), "--synthetic_samples", "128", "--log_every", "10", "--checkpoint_every", "0",
-           *overrides]
+           "--steps", str(STEPS), "--synthetic_samples", "128", "--log_every", "10", *defaults, *overrides]
     start = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True)
     print(f"  ran {' '.join(cmd[3 + len(MPI_FLAGS):])} with {ranks} rank(s) in {time.time() - start:.1f} s")
@@ -104,6 +105,28 @@ check(all(a[s] == f[s] for s in a), "stage 3 with optimizer and parameters offlo
 code, output = run_expecting_failure("offload-stage2", 1, "--stage", "2", "--offload_optimizer", "true",
                                      "--offload_params", "true")
 check(code != 0 and "offload_params needs stage = 3" in output, "offload_params below stage 3 is refused, naming it")
+
+# The delayed update (ZeRO-Offload's DPU): step 1 and, after one synchronous
+# warm-up step, step 2 see the same parameters as the synchronous run, so
+# their losses are equal bit for bit; from step 3 each forward sees the
+# parameters one update old, so the trajectory departs, and still trains.
+# A checkpoint completes the pending update: resumed from step 15, steps
+# 16-30 equal the uninterrupted run that also saved at step 15.
+delayed = ("--stage", "2", "--offload_optimizer", "true", "--offload_delayed_update", "true",
+           "--delayed_update_warmup", "1")
+g = train("np2-stage2-delayed", 2, *delayed, "--checkpoint_every", "15")
+check(g[1] == a[1] and g[2] == a[2], "delayed update: steps 1-2 (warm-up) equal the synchronous run bit for bit")
+check(g[3] != a[3], "delayed update: step 3 sees one-update-old parameters (its loss differs)")
+g_first = sum(g[s] for s in (1, 2, 3)) / 3
+g_last = sum(g[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+check(g_last < 0.5 * g_first, f"delayed update: the loss falls by more than half ({g_first:.4f} -> {g_last:.4f})")
+train("delayed-resumed", 2, *delayed, "--stop_after", "15")
+h = resume("delayed-resumed", 2, *delayed, "--resume", "latest")
+check(all(h[s] == g[s] for s in range(16, STEPS + 1)),
+      "delayed update: steps 16-30 after resuming equal the uninterrupted run")
+code, output = run_expecting_failure("delayed-no-offload", 1, "--stage", "2", "--offload_delayed_update", "true")
+check(code != 0 and "offload_delayed_update needs offload_optimizer = true" in output,
+      "offload_delayed_update without offload is refused, naming it")
 
 c = train("np1-stage2", 1, "--stage", "2", "--batch_size", "8")
 worst = max(abs(a[s] - c[s]) / abs(a[s]) for s in a)

@@ -88,6 +88,21 @@ struct EngineOptions {
   /// optimizer writes the updated shard where it lives, so nothing goes back
   /// up after a step. On the device only the gathered units stay.
   bool offload_params = false;
+  /// Delayed parameter update (ZeRO-Offload's DPU; offload_optimizer with
+  /// one micro-step per step, not offload_params): step() computes the
+  /// gradient statistics (so clipping, loss scaling and skipping are decided
+  /// at once), then runs the CPU update on a background thread while the
+  /// next forward and backward run on the device with the parameters from
+  /// before it. The update is joined and its parameters go up at the next
+  /// step(): forward at step t+1 sees the update of step t-1, not t (the
+  /// parameters lag one step; master weights, state and EMA are exact).
+  /// Anything that reads or writes the state (save_state, load_state,
+  /// set_param, gather_*) first completes the pending update and uploads it.
+  /// Host memory: one more gradient and one more parameter staging shard.
+  bool offload_delayed_update = false;
+  /// With offload_delayed_update: the first this-many applied steps update
+  /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).
+  int delayed_update_warmup_steps = 0;
 
   DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
   /// With the optimizer offloaded and one micro-step per step, each bucket's
@@ -114,6 +129,10 @@ struct StepResult {
   /// for gradients still on their way down); 0 without offload.
   double cpu_grad_stats_seconds = 0;
   double cpu_update_seconds = 0;
+  /// offload_delayed_update: cpu_update_seconds is the background update
+  /// that step() joined (the previous step's), and this is how long step()
+  /// waited for it: the part of the CPU update not hidden behind the device.
+  double cpu_update_wait_seconds = 0;
 };
 
 class Engine {

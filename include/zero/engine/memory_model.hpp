@@ -48,6 +48,9 @@ struct ModelStateConfig {
   /// Parameter offload (stage 3 with offload_optimizer): the model-dtype
   /// parameter shard in pinned host memory as well.
   bool offload_params = false;
+  /// EngineOptions::offload_delayed_update: a second gradient and parameter
+  /// staging shard in host memory.
+  bool offload_delayed_update = false;
 };
 
 /// Persistent model-state bytes per rank (no transient buffers):
@@ -70,7 +73,7 @@ MemoryByCategory model_state_bytes(const ModelStateConfig& config);
 ///   ema: Ψ·4/N when enabled, buffers: Ψ·(g + p)/N (the gradient shard
 ///   copied down and the updated model-dtype shard copied back up);
 ///   with offload_params: params Ψ·p/N and buffers Ψ·g/N (the CPU writes the
-///   updated shard in place).
+///   updated shard in place); offload_delayed_update doubles the buffers.
 MemoryByCategory host_model_state_bytes(const ModelStateConfig& config);
 
 /// "params 1.00 GiB, grads ..." for logs.

@@ -116,6 +116,9 @@ struct PlanInput {
   bool ema = false;
   bool offload_optimizer = false;
   bool offload_params = false;  // stage 3 with offload_optimizer: parameter shard in host memory
+  /// EngineOptions::offload_delayed_update: the CPU update overlaps the next
+  /// step's device work (parameters one step stale); never proposed by fit().
+  bool offload_delayed_update = false;
   GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
   int accumulation_steps = 1;
   /// Bucket target when grouping a bare parameter count (ignored with units).

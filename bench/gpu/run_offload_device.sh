@@ -7,7 +7,7 @@
 # memory in use every 5 ms (NVML: no CUDA context of its own), so the true
 # in-step peak is recorded next to the planner's prediction and the trainer's
 # between-steps metric.
-#   PHASES="build tests cap24 cap12 b8" bash bench/gpu/run_offload_device.sh
+#   PHASES="build tests cap24 cap12 b8 dpu8 b8sync dpu1" bash bench/gpu/run_offload_device.sh
 # Logs and JSON lines go to $OUT/offload, packed into offload.tgz at the end
 # (the device tool returns at most 8 files). Needs .deps/ (toml++, CLI11)
 # carried along; the build directory is reused when it exists.
@@ -61,6 +61,21 @@ if has b8; then
   # Throughput at batch 8: offloaded against on-device, same stage, same session.
   run_trainer sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
   run_trainer sdxl-stage2-b8-device 120 --stage 2 --batch_size 8
+fi
+
+if has dpu8; then
+  # The delayed parameter update (ZeRO-Offload's DPU) at batch 8 beside the
+  # on-device run of the same session (and, with "b8sync", the synchronous offload).
+  run_trainer sdxl-stage2-b8-offload-delayed 150 --stage 2 --batch_size 8 --offload_optimizer true \
+    --offload_delayed_update true --delayed_update_warmup 1
+  run_trainer sdxl-stage2-b8-device 120 --stage 2 --batch_size 8
+fi
+if has b8sync; then
+  run_trainer sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
+fi
+if has dpu1; then  # batch 1 under the 24 GiB cap, delayed
+  run_trainer sdxl-stage2-b1-cap24-offload-delayed 200 --stage 2 --batch_size 1 --offload_optimizer true \
+    --offload_delayed_update true --delayed_update_warmup 1 --max_gpu_memory 24GiB
 fi
 
 summarize_runs "$OUT/offload" | tee -a "$LOG"

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "delayed_update.hpp"
 #include "mlp_training.hpp"
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/comm/nccl_communicator.hpp"
@@ -116,6 +117,15 @@ TEST_CASE("offloaded optimizer and parameters on the GPU") {
     offloaded.offload_params = true;
     check_bitwise_same_training(train_sharded(offloaded, 3, *device_comm, *device_backend), off.back());
   }
+}
+
+// The delayed update with the CUDA backend, pinned host memory and NCCL:
+// the background CPU update, the double-buffered uploads and the stream
+// ordering against the next step's forward are the GPU-only parts.
+TEST_CASE("delayed update on the GPU equals the synchronous update on stale parameters") {
+  MpiCommunicator host_comm;
+  DeviceRank dev = device_rank(host_comm);
+  check_delayed_update(*dev.comm, *dev.backend);
 }
 
 int main(int argc, char** argv) {

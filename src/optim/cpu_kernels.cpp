@@ -148,20 +148,47 @@ void reference_step(const OptimizerOptions& o, const StepScalars& s, const Shard
 
 template <DType D>
 ZERO_MULTIVERSION GradStats stats_chunk(const void* data, std::size_t begin, std::size_t end) {
-  // Blocks of 8 float partials keep the vector units busy; the blocks are
-  // added in a fixed order, so the result is independent of the ISA.
+  // Sixteen independent float partials per block of 256 (element i goes to
+  // lane i mod 16), then added pairwise in double in a fixed order, and the
+  // blocks in order: the result is independent of the ISA and the thread
+  // count, and the lanes map onto vector registers. One running double sum
+  // is a chain of dependent adds behind a conversion per element (measured
+  // 0.25 s for SDXL's 2.57 G bf16 gradients on the H200 host's 16 cores).
   double sum = 0;
   bool nonfinite = false;
-  constexpr std::size_t kBlock = 256;
+  constexpr std::size_t kBlock = 256, kLanes = 16;
   for (std::size_t b = begin; b < end; b += kBlock) {
     const std::size_t stop = std::min(end, b + kBlock);
-    double block = 0;
-    for (std::size_t i = b; i < stop; ++i) {
-      const double x = load_grad<D>(data, i);
-      block += x * x;
+    float lane[kLanes] = {};
+    std::size_t i = b;
+    for (; i + kLanes <= stop; i += kLanes)
+      for (std::size_t j = 0; j < kLanes; ++j) {
+        const float x = load_grad<D>(data, i + j);
+        lane[j] += x * x;
+      }
+    for (std::size_t j = 0; i < stop; ++i, ++j) {
+      const float x = load_grad<D>(data, i);
+      lane[j] += x * x;
     }
-    nonfinite |= !std::isfinite(block);
-    sum += block;
+    // Each lane summed at most 16 positive squares in fp32 (relative error
+    // below 1e-6); from here on double, in a fixed order.
+    double wide[kLanes];
+    for (std::size_t j = 0; j < kLanes; ++j) wide[j] = lane[j];
+    for (std::size_t width = kLanes / 2; width > 0; width /= 2)
+      for (std::size_t j = 0; j < width; ++j) wide[j] += wide[j + width];
+    if (std::isfinite(wide[0])) {
+      sum += wide[0];
+      continue;
+    }
+    // A non-finite element, or fp32 overflow of finite squares (|x| > ~1.8e19,
+    // as the device kernel): the block again in double, elements checked.
+    double exact = 0;
+    for (std::size_t k = b; k < stop; ++k) {
+      const double x = load_grad<D>(data, k);
+      if (!std::isfinite(x)) nonfinite = true;
+      else exact += x * x;
+    }
+    sum += exact;
   }
   return {sum, nonfinite};
 }

@@ -43,27 +43,27 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         Engine delayed(mlp_units(), o, comm, backend);
         init_random_params(sync);
         init_random_params(delayed);
-        std::vector<std::vector<std::vector<float>>> seen = {read_model_params(sync)};  // after 0, 1, ... updates
+        std::vector<std::vector<std::vector<float>>> seen = {read_model_params(sync, &backend)};  // after 0, 1, ... updates
         for (int k = 1; k <= kDelayedSteps; ++k) {
           CAPTURE(k);
           // Update k-1 is up before step k when it was synchronous (a warm-up step).
           const auto& expected = (k - 1 <= warmup) ? seen[k - 1] : seen[k - 2];
-          const auto weights = read_model_params(delayed);
+          const auto weights = read_model_params(delayed, &backend);
           CHECK(bitwise_equal(weights, expected));
-          const StepResult want = run_step_from(sync, expected, k, comm.rank(), StepGradient::pull_to_half);
-          const StepResult got = run_step_from(delayed, weights, k, comm.rank(), StepGradient::pull_to_half);
+          const StepResult want = run_step_from(sync, expected, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+          const StepResult got = run_step_from(delayed, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
           CHECK(got.applied);
           CHECK(got.grad_norm == want.grad_norm);
           CHECK(got.clip_coefficient == want.clip_coefficient);
           CHECK(got.clip_coefficient < 1);  // clipping is exercised
-          seen.push_back(read_model_params(sync));
+          seen.push_back(read_model_params(sync, &backend));
         }
         // Reading the state completes the pending update and uploads it.
         CHECK(bitwise_equal(delayed.gather_master_params(), sync.gather_master_params()));
         CHECK(bitwise_equal(delayed.gather_ema_params(), sync.gather_ema_params()));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(0), sync.gather_optimizer_state(0)));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(1), sync.gather_optimizer_state(1)));
-        CHECK(bitwise_equal(read_model_params(delayed), seen.back()));
+        CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
         CHECK(delayed.host_memory().buffers == 2 * sync.host_memory().buffers);
         CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
       }

@@ -26,13 +26,24 @@ inline void init_random_params(Engine& engine, std::uint32_t seed = 5) {
   }
 }
 
-/// The model-dtype parameters as floats, gathering each unit (stage 3) around the read.
-inline std::vector<std::vector<float>> read_model_params(Engine& engine) {
+/// The model-dtype parameters as floats, gathering each unit (stage 3) around
+/// the read. With a backend, read through it (device memory); without, the
+/// parameters must be host memory.
+inline std::vector<std::vector<float>> read_model_params(Engine& engine, Backend* backend = nullptr) {
+  const DType dtype = engine.options().param_dtype;
   std::vector<std::vector<float>> w(engine.param_count());
   for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
-  for (std::size_t p = 0; p < engine.param_count(); ++p)
-    for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
-      w[p].push_back(load_as_float(engine.param_data(p), k, engine.options().param_dtype));
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    const std::size_t n = engine.layout().params()[p].numel;
+    const void* values = engine.param_data(p);
+    std::vector<std::byte> staged;
+    if (backend) {
+      staged.resize(n * size_of(dtype));
+      backend->copy_to_host(staged.data(), values, staged.size());
+      values = staged.data();
+    }
+    for (std::size_t k = 0; k < n; ++k) w[p].push_back(load_as_float(values, k, dtype));
+  }
   for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.release_unit(u);
   return w;
 }
@@ -45,18 +56,22 @@ enum class StepGradient {
 /// One micro-step whose gradients depend on (step, rank) and, for
 /// pull_to_half, on the weights w, then step().
 /// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0.
+/// With a backend, the gradients are written through it (device memory).
 inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<float>>& w, int step, int rank,
-                                StepGradient kind, int poison_rank = -1) {
+                                StepGradient kind, int poison_rank = -1, Backend* backend = nullptr) {
   const DType g = engine.options().effective_grad_dtype();
   std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
   std::normal_distribution<float> normal;
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
     void* grad = engine.grad_data(p);
+    std::vector<std::byte> staged(backend ? w[p].size() * size_of(g) : 0);
+    void* out = backend ? staged.data() : grad;
     for (std::size_t k = 0; k < w[p].size(); ++k) {
       const float noise = 0.1f * normal(rng);
-      store_from_float(grad, k, g, kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise);
+      store_from_float(out, k, g, kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise);
     }
-    if (p == 0 && rank == poison_rank) store_from_float(grad, 0, g, std::numeric_limits<float>::quiet_NaN());
+    if (p == 0 && rank == poison_rank) store_from_float(out, 0, g, std::numeric_limits<float>::quiet_NaN());
+    if (backend) backend->copy_from_host(grad, staged.data(), staged.size());
     engine.grad_ready(p);
   }
   engine.finish_micro_step();

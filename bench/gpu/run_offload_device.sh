@@ -7,7 +7,7 @@
 # memory in use every 5 ms (NVML: no CUDA context of its own), so the true
 # in-step peak is recorded next to the planner's prediction and the trainer's
 # between-steps metric.
-#   PHASES="build tests cap24 cap12 b8 dpu8 b8sync dpu1" bash bench/gpu/run_offload_device.sh
+#   PHASES="build tests cap24 cap12 b8 dpu8 b8sync noema dpu1" bash bench/gpu/run_offload_device.sh
 # Logs and JSON lines go to $OUT/offload, packed into offload.tgz at the end
 # (the device tool returns at most 8 files). Needs .deps/ (toml++, CLI11)
 # carried along; the build directory is reused when it exists.
@@ -72,6 +72,13 @@ if has dpu8; then
 fi
 if has b8sync; then
   run_trainer sdxl-stage2-b8-offload 170 --stage 2 --batch_size 8 --offload_optimizer true
+fi
+if has noema; then
+  # AdamW alone (no EMA: a fifth less host traffic per step), the same three ways.
+  run_trainer sdxl-stage2-b8-offload-delayed-noema 150 --stage 2 --batch_size 8 --ema_decay 0 --offload_optimizer true \
+    --offload_delayed_update true --delayed_update_warmup 1
+  run_trainer sdxl-stage2-b8-device-noema 120 --stage 2 --batch_size 8 --ema_decay 0
+  run_trainer sdxl-stage2-b8-offload-noema 170 --stage 2 --batch_size 8 --ema_decay 0 --offload_optimizer true
 fi
 if has dpu1; then  # batch 1 under the 24 GiB cap, delayed
   run_trainer sdxl-stage2-b1-cap24-offload-delayed 200 --stage 2 --batch_size 1 --offload_optimizer true \

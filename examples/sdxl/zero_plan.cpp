@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
-  bool ema = false, offload = false, offload_params = false, checkpointing = false, json_output = false, fp32_accumulate = false;
+  bool ema = false, offload = false, offload_params = false, delayed_update = false, checkpointing = false, json_output = false, fp32_accumulate = false;
   auto* params_option = app.add_option("--params", params_text, "parameter count (e.g. 2.6e9), grouped into buckets");
   auto* unet_option = app.add_option("--unet-config", unet_config,
                                      "sdxl-base, a diffusers UNet config.json, or a model folder: one unit per block");
@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-optimizer", offload, "master, optimizer state and EMA in pinned host memory (stages 1-3)");
   app.add_flag("--offload-params", offload_params,
                "stage 3 with --offload-optimizer: the parameter shard in pinned host memory too");
+  app.add_flag("--delayed-update", delayed_update,
+               "with --offload-optimizer: the CPU update overlaps the next step (parameters one update old; "
+               "doubles the host staging)");
   app.add_option("--batch", batch, "samples per GPU and micro-step")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--accumulation", accumulation, "micro-steps per step")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--accumulation-mode", accumulation_mode, "each (reduce every micro-step) or boundary")
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
     in.ema = ema;
     in.offload_optimizer = offload;
     in.offload_params = offload_params;
+    in.offload_delayed_update = delayed_update;
     in.accumulation_steps = accumulation;
     in.accumulation = accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                       : zero::GradAccumulation::reduce_each_micro_step;

@@ -122,6 +122,26 @@ TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus
   CHECK(table.find("per host (4 ranks") != std::string::npos);
 }
 
+TEST_CASE("plan: the delayed update doubles the host staging, leaves the GPU as is, and overlaps the CPU in time") {
+  plan::PlanInput in = sdxl_input();
+  in.stage = 2;
+  in.batch = 8;
+  in.activation_checkpointing = true;
+  in.offload_optimizer = true;
+  const plan::Plan sync = plan::make_plan(in);
+  in.offload_delayed_update = true;
+  const plan::Plan delayed = plan::make_plan(in);
+  CHECK(delayed.host_state.buffers == 2 * sync.host_state.buffers);
+  CHECK(delayed.host_state.master == sync.host_state.master);
+  CHECK(delayed.gpu_peak() == sync.gpu_peak());
+  CHECK(delayed.relative_time() < sync.relative_time());
+  CHECK(delayed.label().find("delayed update") != std::string::npos);
+  CHECK(nlohmann::json::parse(delayed.to_json())["config"]["offload_delayed_update"].get<bool>());
+  in.offload_optimizer = false;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_delayed_update needs offload_optimizer"),
+                       InvalidArgument);
+}
+
 TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffers on the GPU") {
   plan::PlanInput in = sdxl_input();
   in.stage = 3;

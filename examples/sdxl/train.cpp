@@ -17,7 +17,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
+#include "attention_backend.hpp"
 #include "data/cached_dataset.hpp"
 #include "data/loader.hpp"
 #include "data/sampler.hpp"
@@ -45,6 +47,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "zero/comm/nccl_communicator.hpp"
 #include "zero/cuda/check.hpp"
@@ -307,6 +310,7 @@ int main(int argc, char** argv) {
     torch::Device device = torch::kCPU;
     std::unique_ptr<zero::Communicator> device_comm;
     std::unique_ptr<zero::Backend> backend;
+    select_attention_backend(cfg.attention, "[device] attention");
     if (cfg.device == "cuda") {
 #ifdef ZERO_TRAIN_CUDA
       const int gpus = static_cast<int>(torch::cuda::device_count());
@@ -461,6 +465,18 @@ int main(int argc, char** argv) {
     data::SamplerState sampler_state = resumed.sampler.value_or(loader.state());
     std::int64_t nonfinite_in_a_row = 0;
     for (std::int64_t step = resumed.step; step < cfg.steps; ++step) {
+      [[maybe_unused]] const bool profiling = leader && cfg.profile_step == step + 1;
+#ifdef ZERO_TRAIN_CUDA
+      namespace kineto = torch::autograd::profiler;
+      const torch::profiler::impl::ProfilerConfig profiler_config(torch::profiler::impl::ProfilerState::KINETO);
+      const std::set<torch::profiler::impl::ActivityType> profiler_activities{
+          torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+      if (profiling) {
+        ZERO_CHECK_CUDA(cudaDeviceSynchronize());  // the trace starts with an idle GPU
+        kineto::prepareProfiler(profiler_config, profiler_activities);
+        kineto::enableProfiler(profiler_config, profiler_activities);
+      }
+#endif
       const auto step_start = std::chrono::steady_clock::now();
       poison_gradients = nan_fault && nan_fault->covers(step + 1);
       const double lr = lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, cfg.steps);
@@ -521,6 +537,14 @@ int main(int argc, char** argv) {
       }
       double stats[2] = {loss_sum / static_cast<double>(cfg.accumulation), 0};
       host_comm.all_reduce_host_f64(stats, 1, zero::ReduceOp::avg);
+#ifdef ZERO_TRAIN_CUDA
+      if (profiling) {
+        ZERO_CHECK_CUDA(cudaDeviceSynchronize());  // the step's optimizer kernels are in the trace
+        const fs::path trace = fs::path(cfg.output_dir) / ("profile-step-" + std::to_string(step + 1) + ".json");
+        kineto::disableProfiler()->save(trace.string());
+        std::printf("step %lld: Kineto trace written to %s\n", static_cast<long long>(step + 1), trace.c_str());
+      }
+#endif
       const double step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
       const double images_per_s = static_cast<double>(world * cfg.batch_size * cfg.accumulation) / step_seconds;
       std::size_t mem = sharded.engine().peak_memory().total();

@@ -87,6 +87,10 @@ std::vector<Option> options_of(TrainConfig& c) {
        "time cuDNN's convolution algorithms on the first step of each shape and keep the fastest"},
       {"device", "max_gpu_memory", &c.max_gpu_memory,
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
+      {"device", "attention", &c.attention,
+       "attention kernel on the GPU: default (LibTorch's choice), flash, efficient, cudnn or math"},
+      {"device", "profile_step", &c.profile_step,
+       "write a Kineto trace of this step (rank 0, CUDA) to output_dir/profile-step-N.json (0: off)"},
   };
 }
 
@@ -230,6 +234,10 @@ void TrainConfig::validate() const {
     ZERO_CHECK(device == "cuda", "max_gpu_memory applies to device = \"cuda\" only");
     ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");
   }
+  one_of(attention, {"default", "flash", "efficient", "cudnn", "math"}, "attention");
+  ZERO_CHECK(profile_step >= 0 && profile_step <= steps, "profile_step must be in [0, steps] (0: off), got ",
+             profile_step);
+  ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");
   ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
   ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);

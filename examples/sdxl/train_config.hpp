@@ -63,6 +63,8 @@ struct TrainConfig {
   std::string device = "cpu";          // cpu, cuda
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
+  std::string attention = "default";   // scaled-dot-product attention kernel: default, flash, efficient, cudnn, math
+  std::int64_t profile_step = 0;       // write a Kineto trace of this step to output_dir (CUDA; 0: off)
 
   /// Throws zero::InvalidArgument naming the first key that is out of range.
   void validate() const;

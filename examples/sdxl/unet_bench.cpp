@@ -3,21 +3,31 @@
 //
 //   unet_bench [--device cuda] [--dtype bf16] [--batch 1] [--latent 128] [--tokens 77]
 //              [--steps 5] [--warmup 2] [--backward] [--checkpointing]
+//              [--attention default|flash|efficient|cudnn|math] [--cuda_graph] [--profile trace.json]
 //
 // Prints the mean step time over --steps after --warmup untimed steps.
+// --cuda_graph captures one step in a CUDA graph and times its replays (the
+// launch overhead gone); --profile writes a Kineto trace (chrome://tracing
+// format) of one more step, which bench/gpu/kernel_summary.py sums by kernel family.
 
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <optional>
+#include <set>
 #include <fstream>
 #include <iostream>
 
+#include "attention_backend.hpp"
 #include "unet.hpp"
 #include "zero/core/dtype.hpp"
 
 #if defined(ZERO_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #define UNET_BENCH_CUDA_STATS 1
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #endif
 
 namespace {
@@ -32,8 +42,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Forward/backward timing of the SDXL UNet with random weights"};
   std::string device_name = "cuda", dtype_name = "bf16";
   std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
-  bool backward = false, checkpointing = false;
-  std::string json_path;
+  bool backward = false, checkpointing = false, cuda_graph = false;
+  std::string json_path, attention = "default", profile_path;
   app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--batch", batch, "images per step")->capture_default_str();
@@ -44,10 +54,21 @@ int main(int argc, char** argv) {
   app.add_flag("--backward", backward, "also run backward of a sum of the output");
   app.add_flag("--checkpointing", checkpointing, "recompute each block in backward");
   app.add_option("--json", json_path, "append one JSON line with the result to this file");
+  app.add_option("--attention", attention, "scaled-dot-product attention kernel: " + sdxl::attention_backend_choices())
+      ->capture_default_str();
+  app.add_flag("--cuda_graph", cuda_graph, "capture one step in a CUDA graph and time its replays (CUDA only)");
+  app.add_option("--profile", profile_path, "write a Kineto trace of one more step to this file (CUDA only)");
   CLI11_PARSE(app, argc, argv);
 
   try {
     const torch::Device device(device_name);
+    sdxl::select_attention_backend(attention, "--attention");
+    if ((cuda_graph || !profile_path.empty()) && !device.is_cuda())
+      throw std::invalid_argument("--cuda_graph and --profile need --device cuda");
+#ifndef UNET_BENCH_CUDA_STATS
+    if (cuda_graph || !profile_path.empty())
+      throw std::invalid_argument("--cuda_graph and --profile need a CUDA build (configure with the cuda preset)");
+#endif
     const zero::DType dt = zero::parse_dtype(dtype_name, "--dtype");
     const torch::ScalarType dtype = dt == zero::DType::fp32   ? torch::kFloat32
                                     : dt == zero::DType::bf16 ? torch::kBFloat16
@@ -74,10 +95,7 @@ int main(int argc, char** argv) {
 #ifdef UNET_BENCH_CUDA_STATS
     if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 #endif
-    double total = 0;
-    for (std::int64_t step = 0; step < warmup + steps; ++step) {
-      synchronize(device);
-      const auto start = std::chrono::steady_clock::now();
+    auto run_step = [&] {
       if (backward) {
         model->zero_grad();
         model->forward(sample, timestep, context, text_embeds, time_ids).to(torch::kFloat32).sum().backward();
@@ -85,10 +103,53 @@ int main(int argc, char** argv) {
         torch::NoGradGuard no_grad;
         model->forward(sample, timestep, context, text_embeds, time_ids);
       }
+    };
+    double total = 0;
+#ifdef UNET_BENCH_CUDA_STATS
+    std::optional<at::cuda::CUDAGraph> graph;
+    std::optional<c10::cuda::CUDAStreamGuard> graph_stream;
+    if (cuda_graph) {
+      // Capture needs a side stream; the warm-up steps run there first so that
+      // cuDNN/cuBLAS handles and workspaces exist before capture.
+      graph_stream.emplace(c10::cuda::getStreamFromPool(false, device.index() < 0 ? 0 : device.index()));
+      for (std::int64_t i = 0; i < std::max<std::int64_t>(warmup, 2); ++i) run_step();
+      synchronize(device);
+      graph.emplace();
+      graph->capture_begin();
+      run_step();
+      graph->capture_end();
+      synchronize(device);
+      std::cout << "captured one " << (backward ? "forward+backward" : "forward") << " step in a CUDA graph\n";
+    }
+#endif
+    for (std::int64_t step = 0; step < warmup + steps; ++step) {
+      synchronize(device);
+      const auto start = std::chrono::steady_clock::now();
+#ifdef UNET_BENCH_CUDA_STATS
+      if (graph) graph->replay();
+      else run_step();
+#else
+      run_step();
+#endif
       synchronize(device);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (step >= warmup) total += seconds;
     }
+#ifdef UNET_BENCH_CUDA_STATS
+    if (!profile_path.empty()) {
+      namespace prof = torch::autograd::profiler;
+      const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+      const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU,
+                                                                     torch::profiler::impl::ActivityType::CUDA};
+      prof::prepareProfiler(config, activities);
+      prof::enableProfiler(config, activities);
+      if (graph) graph->replay();
+      else run_step();
+      synchronize(device);
+      prof::disableProfiler()->save(profile_path);
+      std::cout << "profile of one step written to " << profile_path << "\n";
+    }
+#endif
     const double ms = 1e3 * total / static_cast<double>(steps);
     double peak_gib = 0;
 #ifdef UNET_BENCH_CUDA_STATS
@@ -102,13 +163,15 @@ int main(int argc, char** argv) {
     const double tflop = 20.62 * batch * (latent * latent) / (128.0 * 128.0) / (backward ? 1.0 : 3.0);
     const double tflops = tflop / (ms / 1e3);
     std::cout << (backward ? "forward+backward" : "forward") << (checkpointing ? " (checkpointing)" : "")
+              << (cuda_graph ? " (CUDA graph)" : "") << ", attention " << attention
               << ", batch " << batch << ", latent " << latent << "x" << latent << ", " << dtype_name << " on "
               << device << ": " << ms << " ms/step, " << 1e3 * batch / ms << " images/s, " << tflops
               << " TFLOP/s (MFU " << 100 * tflops / 989.0 << "% of 989), peak allocated " << peak_gib << " GiB\n";
     if (!json_path.empty()) {
       std::ofstream out(json_path, std::ios::app);
       out << "{\"pass\": \"" << (backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
-          << (checkpointing ? "true" : "false") << ", \"batch\": " << batch << ", \"latent\": " << latent
+          << (checkpointing ? "true" : "false") << ", \"cuda_graph\": " << (cuda_graph ? "true" : "false")
+          << ", \"attention\": \"" << attention << "\", \"batch\": " << batch << ", \"latent\": " << latent
           << ", \"dtype\": \"" << dtype_name << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": "
           << 1e3 * batch / ms << ", \"tflops\": " << tflops << ", \"mfu_vs_989\": " << tflops / 989.0
           << ", \"peak_allocated_gib\": " << peak_gib << ", \"steps\": " << steps << "}\n";

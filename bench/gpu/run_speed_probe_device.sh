@@ -59,6 +59,33 @@ if has train; then
   cp /tmp/sdxl-stage2-b8-nockpt/profile-step-10.json "$OUT_DIR/train-b8.trace.json" 2>/dev/null
   summarize_runs "$OUT_DIR" | tee -a "$LOG"
 fi
+if has graph_train; then
+  # [device] cuda_graph against eager at stage 0 (the graph needs the full
+  # gradient buffer), without EMA as the reference step has none, then with.
+  STEPS=${STEPS:-20}
+  source bench/gpu/trainer_run.sh
+  common="--stage 0 --activation_checkpointing false"
+  run_trainer sdxl-stage0-b1-eager-noema 150 $common --batch_size 1 --ema_decay 0
+  run_trainer sdxl-stage0-b1-graph-noema 150 $common --batch_size 1 --ema_decay 0 --cuda_graph true
+  run_trainer sdxl-stage0-b1-graph 150 $common --batch_size 1 --cuda_graph true
+  run_trainer sdxl-stage1-b1-graph-noema 150 --stage 1 --activation_checkpointing false --batch_size 1 --ema_decay 0 --cuda_graph true
+  run_trainer sdxl-stage0-b8-eager-noema 150 $common --batch_size 8 --ema_decay 0
+  run_trainer sdxl-stage0-b8-graph-noema 150 $common --batch_size 8 --ema_decay 0 --cuda_graph true
+  python3 - "$OUT_DIR" <<'PY' | tee -a "$LOG"
+import json, sys, os
+d = sys.argv[1]
+def losses(name):
+    p = os.path.join(d, name + ".jsonl")
+    return [json.loads(l)["loss"] for l in open(p)] if os.path.exists(p) else []
+for a, b in [("sdxl-stage0-b1-eager-noema", "sdxl-stage0-b1-graph-noema"), ("sdxl-stage0-b8-eager-noema", "sdxl-stage0-b8-graph-noema")]:
+    la, lb = losses(a), losses(b)
+    n = min(len(la), len(lb))
+    diff = max((abs(x - y) for x, y in zip(la, lb)), default=float("nan"))
+    same = sum(x == y for x, y in zip(la, lb))
+    print(f"losses {a} vs {b}: {n} steps, {same} bitwise equal, max |diff| {diff:.3g}")
+PY
+  summarize_runs "$OUT_DIR" | tee -a "$LOG"
+fi
 traces=$(ls "$OUT_DIR"/*.trace.json 2>/dev/null)
 if [ -n "$traces" ]; then
   python3 bench/gpu/kernel_summary.py $traces --json "$OUT_DIR/kernel-summary.json" --top 30 > "$OUT_DIR/kernel-summary.txt" 2>&1

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -45,7 +46,10 @@
 #define ZERO_TRAIN_CUDA 1
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -60,6 +64,59 @@ using namespace sdxl;
 using torch::autograd::variable_list;
 
 namespace {
+
+#ifdef ZERO_TRAIN_CUDA
+// Forward and backward of one micro-step captured once in a CUDA graph and
+// replayed: one launch instead of thousands (batch 1 is bound by launch
+// overhead). The inputs are copied into tensors the graph reads; the
+// gradients land in the engine's buffer (bind_gradients_to_engine), whose
+// reductions and the optimizer stay outside the graph.
+class GraphedMicroStep {
+ public:
+  explicit GraphedMicroStep(zero::adapter::ShardedModel& sharded) : sharded_(sharded) {}
+
+  /// Returns the loss (a tensor the graph writes). `body` runs once, under capture.
+  torch::Tensor run(const variable_list& inputs, const std::function<torch::Tensor(const variable_list&)>& body) {
+    sharded_.wait_for_parameters();  // stage 1: the gathers step() left in flight
+    if (!graph_) {
+      for (const torch::Tensor& t : inputs) static_inputs_.push_back(t.defined() ? t.clone() : t);
+      const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
+      const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, current.device_index());
+      at::cuda::CUDAEvent before, after;
+      before.record(current);
+      before.block(side);
+      {
+        c10::cuda::CUDAStreamGuard guard(side);
+        graph_.emplace();
+        graph_->capture_begin();
+        loss_ = body(static_inputs_);
+        graph_->capture_end();
+      }
+      after.record(side);
+      after.block(current);
+    } else {
+      ZERO_CHECK(inputs.size() == static_inputs_.size(), "cuda_graph: ", inputs.size(), " inputs, captured with ",
+                 static_inputs_.size());
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < inputs.size(); ++i) {
+        if (!inputs[i].defined()) continue;
+        ZERO_CHECK(inputs[i].sizes() == static_inputs_[i].sizes(), "cuda_graph: input ", i, " has shape ",
+                   inputs[i].sizes(), ", the captured step had ", static_inputs_[i].sizes(),
+                   " (every step must have the same shapes)");
+        static_inputs_[i].copy_(inputs[i]);
+      }
+    }
+    graph_->replay();
+    return loss_;
+  }
+
+ private:
+  zero::adapter::ShardedModel& sharded_;
+  std::optional<at::cuda::CUDAGraph> graph_;
+  variable_list static_inputs_;
+  torch::Tensor loss_;
+};
+#endif
 
 // ------------------------------------------------------------------ model config
 
@@ -398,6 +455,9 @@ int main(int argc, char** argv) {
     // Test hook (ZERO_FAULT_NAN_GRAD_STEPS): a NaN in one gradient element on one rank.
     const std::optional<NanGradFault> nan_fault = nan_grad_fault_from_env(world);
     bool poison_gradients = false;
+    ZERO_CHECK(!(nan_fault && cfg.cuda_graph), "ZERO_FAULT_NAN_GRAD_STEPS does not work with [device] cuda_graph "
+               "(its hook runs on the host, which a replayed graph skips)");
+    if (cfg.cuda_graph) sharded.bind_gradients_to_engine();
     if (nan_fault) {
       if (leader)
         std::printf("fault injection: NaN gradient on rank %d at steps %lld-%lld\n", nan_fault->rank,
@@ -464,6 +524,13 @@ int main(int argc, char** argv) {
     };
     data::SamplerState sampler_state = resumed.sampler.value_or(loader.state());
     std::int64_t nonfinite_in_a_row = 0;
+    // [device] cuda_graph: the first step of this process runs eagerly (cuDNN's
+    // algorithm search, cuBLAS handles, the allocator's blocks), the second is
+    // captured, and every step replays it.
+    std::int64_t eager_steps_done = 0;
+#ifdef ZERO_TRAIN_CUDA
+    GraphedMicroStep graphed(sharded);
+#endif
     for (std::int64_t step = resumed.step; step < cfg.steps; ++step) {
       [[maybe_unused]] const bool profiling = leader && cfg.profile_step == step + 1;
 #ifdef ZERO_TRAIN_CUDA
@@ -506,12 +573,27 @@ int main(int argc, char** argv) {
         torch::Tensor target = schedule.target(prediction, latents, noise, timesteps.to(device));
         torch::Tensor weights;
         if (cfg.min_snr_gamma > 0) weights = schedule.min_snr_weights(prediction, timesteps, cfg.min_snr_gamma);
-        torch::Tensor out = model->forward(noisy, timesteps.to(device, torch::kFloat32), prompt, pooled, time_ids);
-        torch::Tensor loss = diffusion_loss(out, target, weights);
-        (loss * sharded.engine().loss_scale()).backward();
+        torch::Tensor timesteps_in = timesteps.to(device, torch::kFloat32);
+        if (weights.defined()) weights = weights.to(device, torch::kFloat32);
+        torch::Tensor loss;
+        if (cfg.cuda_graph && eager_steps_done > 0) {
+#ifdef ZERO_TRAIN_CUDA
+          loss = graphed.run({noisy, timesteps_in, prompt, pooled, time_ids, target, weights}, [&](const variable_list& in) {
+            torch::Tensor out = model->forward(in[0], in[1], in[2], in[3], in[4]);
+            torch::Tensor l = diffusion_loss(out, in[5], in[6]);
+            (l * sharded.engine().loss_scale()).backward();
+            return l;
+          });
+#endif
+        } else {
+          torch::Tensor out = model->forward(noisy, timesteps_in, prompt, pooled, time_ids);
+          loss = diffusion_loss(out, target, weights);
+          (loss * sharded.engine().loss_scale()).backward();
+        }
         sharded.finish_micro_step();
         loss_sum += loss.item<double>();  // waits for the device: the timings below are device-inclusive
       }
+      ++eager_steps_done;
       const auto step_call = std::chrono::steady_clock::now();
       // Non-finite gradients (agreed across ranks) skip the step; the engine
       // throws after max_nonfinite_steps of them in a row.

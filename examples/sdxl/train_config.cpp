@@ -89,6 +89,9 @@ std::vector<Option> options_of(TrainConfig& c) {
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
       {"device", "attention", &c.attention,
        "attention kernel on the GPU: default (LibTorch's choice), flash, efficient, cudnn or math"},
+      {"device", "cuda_graph", &c.cuda_graph,
+       "capture forward and backward in a CUDA graph after the first step and replay it (no launch overhead); "
+       "needs stage 0 or 1, accumulation 1, no offload, no activation checkpointing, bf16 or fp32"},
       {"device", "profile_step", &c.profile_step,
        "write a Kineto trace of this step (rank 0, CUDA) to output_dir/profile-step-N.json (0: off)"},
   };
@@ -235,6 +238,15 @@ void TrainConfig::validate() const {
     ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");
   }
   one_of(attention, {"default", "flash", "efficient", "cudnn", "math"}, "attention");
+  if (cuda_graph) {
+    ZERO_CHECK(device == "cuda", "cuda_graph applies to device = \"cuda\" only");
+    ZERO_CHECK(stage <= 1, "cuda_graph needs stage 0 or 1 (autograd writes into the engine's full gradient buffer), "
+               "got stage ", stage);
+    ZERO_CHECK(accumulation == 1, "cuda_graph needs accumulation = 1, got ", accumulation);
+    ZERO_CHECK(!offload_optimizer, "cuda_graph does not work with offload_optimizer (gradients go to the host)");
+    ZERO_CHECK(!activation_checkpointing, "cuda_graph does not work with activation_checkpointing yet");
+    ZERO_CHECK(precision != "fp16", "cuda_graph needs precision bf16 or fp32 (fp16's loss scale changes between steps)");
+  }
   ZERO_CHECK(profile_step >= 0 && profile_step <= steps, "profile_step must be in [0, steps] (0: off), got ",
              profile_step);
   ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");

@@ -255,7 +255,32 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
   return outputs;
 }
 
+void ShardedModel::bind_gradients_to_engine() {
+  const EngineOptions& o = engine_->options();
+  ZERO_CHECK(o.stage <= 1, "bind_gradients_to_engine: needs ZeRO stage 0 or 1 (a full gradient buffer), got stage ",
+                 o.stage);
+  ZERO_CHECK(o.accumulation_steps == 1, "bind_gradients_to_engine: needs accumulation_steps = 1, got ",
+                 o.accumulation_steps);
+  ZERO_CHECK(!o.offload_optimizer, "bind_gradients_to_engine: not with offload_optimizer (gradients go to the host)");
+  ZERO_CHECK(grad_type_ == param_type_, "bind_gradients_to_engine: gradients must have the parameters' dtype (",
+                 c10::toString(param_type_), "), got ", c10::toString(grad_type_));
+  if (gradients_bound_) return;
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor& p = params_[i];
+    p.mutable_grad() = torch::from_blob(engine_->grad_data(i), p.sizes(),
+                                        torch::TensorOptions().device(device_).dtype(grad_type_));
+  }
+  gradients_bound_ = true;
+}
+
+void ShardedModel::wait_for_parameters() {
+  if (engine_->options().stage >= 3) return;
+  for (std::size_t u = 0; u < units_.size(); ++u) engine_->gather_unit(u);
+}
+
 void ShardedModel::on_gradient(std::size_t i) {
+  if (gradients_bound_) return;  // autograd accumulated into the engine's buffer itself
   torch::Tensor& p = params_[i];
   torch::Tensor grad = p.grad();
   if (!grad.defined()) return;

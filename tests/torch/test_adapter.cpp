@@ -74,7 +74,8 @@ struct Result {
   std::size_t max_live_params = 0, shard_params = 0, largest_two_units = 0;
 };
 
-Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& comm, Backend& backend) {
+Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& comm, Backend& backend,
+                     bool bind_gradients = false) {
   Net net = make_net();
   EngineOptions options;
   options.stage = stage;
@@ -83,6 +84,7 @@ Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& co
   options.optimizer.lr = kLr;
   options.optimizer.weight_decay = kDecay;
   ShardedModel model(adapter::units_by_child(*net), options, comm, backend);
+  if (bind_gradients) model.bind_gradients_to_engine();
   Result result;
   auto layer = [&](torch::nn::Linear& fc, bool activation) {
     return [&fc, activation, &model, &result](const variable_list& in) -> variable_list {
@@ -99,6 +101,10 @@ Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& co
     h = model.run_unit(1, h, body2, recompute);
     h = model.run_unit(2, h, body3, recompute);
     torch::mse_loss(h[0].to(torch::kFloat32), y).backward();
+    if (bind_gradients) {  // autograd accumulated into the engine's buffer: .grad is still that view
+      const auto params = net->parameters();
+      for (std::size_t i = 0; i < params.size(); ++i) REQUIRE(params[i].grad().data_ptr() == model.engine().grad_data(i));
+    }
     model.finish_micro_step();
     REQUIRE(model.step().applied);
   }
@@ -150,6 +156,11 @@ TEST_CASE("ShardedModel at stages 0..3 equals torch::optim::AdamW; stage 3 holds
         }
         if (first.empty()) first = r.master;
         CHECK(r.master == first);  // every stage, with or without recompute: the same bits
+        if (stage <= 1 && !recompute) {
+          // Gradients bound to the engine's buffer (the CUDA-graph path): autograd
+          // accumulates in place instead of the hooks copying; the same bits.
+          CHECK(train_sharded(stage, false, dtype, comm, *backend, /*bind_gradients=*/true).master == first);
+        }
         if (stage == 3) {
           // Live parameters: the shard plus at most the unit in use and the
           // one prefetched after it.
@@ -159,4 +170,27 @@ TEST_CASE("ShardedModel at stages 0..3 equals torch::optim::AdamW; stage 3 holds
       }
     }
   }
+}
+
+TEST_CASE("bind_gradients_to_engine refuses what has no full gradient buffer, naming it") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  auto attempt = [&](EngineOptions options) {
+    Net net = make_net();
+    options.alignment_elements = 4;
+    ShardedModel model(adapter::units_by_child(*net), options, comm, *backend);
+    model.bind_gradients_to_engine();
+  };
+  EngineOptions stage2;
+  stage2.stage = 2;
+  CHECK_THROWS_WITH_AS(attempt(stage2), doctest::Contains("stage 0 or 1"), InvalidArgument);
+  EngineOptions accumulating;
+  accumulating.stage = 1;
+  accumulating.accumulation_steps = 2;
+  CHECK_THROWS_WITH_AS(attempt(accumulating), doctest::Contains("accumulation_steps = 1"), InvalidArgument);
+  EngineOptions mixed;
+  mixed.stage = 0;
+  mixed.param_dtype = DType::bf16;
+  mixed.grad_dtype = DType::fp32;
+  CHECK_THROWS_WITH_AS(attempt(mixed), doctest::Contains("dtype"), InvalidArgument);
 }

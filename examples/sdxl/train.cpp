@@ -449,6 +449,7 @@ int main(int argc, char** argv) {
     if (cap > 0) apply_gpu_memory_cap(cfg, cap, sharded.engine(), *run_plan, device.index(), world, leader);
 #endif
     model->set_activation_checkpointing(cfg.activation_checkpointing);
+    model->set_channels_last(cfg.channels_last);
     model->set_unit_runner([&sharded](std::size_t unit, const variable_list& inputs, const UNet2DConditionModelImpl::UnitBody& body,
                                       bool recompute) { return sharded.run_unit(unit, inputs, body, recompute); });
     const torch::ScalarType compute_type = zero::adapter::scalar_type_of(options.param_dtype);

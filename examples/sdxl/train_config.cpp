@@ -89,6 +89,9 @@ std::vector<Option> options_of(TrainConfig& c) {
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
       {"device", "attention", &c.attention,
        "attention kernel on the GPU: default (LibTorch's choice), flash, efficient, cudnn or math"},
+      {"device", "channels_last", &c.channels_last,
+       "run the UNet's convolutions, GroupNorms and SiLUs in channels-last (NHWC) memory order: no NCHW<->NHWC "
+       "transposes in cuDNN, fused NHWC GroupNorm+SiLU on CUDA"},
       {"device", "cuda_graph", &c.cuda_graph,
        "capture forward and backward in a CUDA graph after the first step and replay it (no launch overhead); "
        "needs stage 0 or 1, accumulation 1, no offload, no activation checkpointing, bf16 or fp32"},

@@ -64,6 +64,7 @@ struct TrainConfig {
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
   std::string attention = "default";   // scaled-dot-product attention kernel: default, flash, efficient, cudnn, math
+  bool channels_last = false;          // convolutional path in NHWC (fused NHWC GroupNorm+SiLU on CUDA)
   bool cuda_graph = false;             // capture forward+backward once, replay it every step (stages 0-1)
   std::int64_t profile_step = 0;       // write a Kineto trace of this step to output_dir (CUDA; 0: off)
 

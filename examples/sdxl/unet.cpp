@@ -16,6 +16,7 @@
 
 #include <cmath>
 
+#include "geglu.hpp"
 #include "zero/core/error.hpp"
 
 namespace sdxl {
@@ -101,6 +102,8 @@ class GroupNorm : public torch::nn::Module {
     bias_ = register_parameter("bias", f.filled({channels}, 0.0));
   }
   Tensor forward(const Tensor& x) const { return torch::group_norm(x, groups_, weight_, bias_, eps_); }
+  /// silu(forward(x)), as the ResNet blocks and the head use it.
+  Tensor forward_silu(const Tensor& x) const { return torch::silu(forward(x)); }
 
  private:
   Tensor weight_, bias_;
@@ -173,9 +176,9 @@ class ResnetBlock2D : public torch::nn::Module {
   }
 
   Tensor forward(const Tensor& x, const Tensor& temb) const {
-    Tensor h = conv1_->forward(torch::silu(norm1_->forward(x)));
+    Tensor h = conv1_->forward(norm1_->forward_silu(x));
     h = h + time_emb_proj_->forward(torch::silu(temb)).unsqueeze(-1).unsqueeze(-1);
-    h = conv2_->forward(torch::silu(norm2_->forward(h)));
+    h = conv2_->forward(norm2_->forward_silu(h));
     Tensor shortcut = conv_shortcut_ ? conv_shortcut_->forward(x) : x;
     Tensor out = shortcut + h;
     // Division by 1.0 is exact; skip it to save a pass over the activations.
@@ -250,8 +253,9 @@ class FeedForward : public torch::nn::Module {
     out_ = net->register_module("2", std::make_shared<Linear>(inner, dim, true, f));
   }
   Tensor forward(const Tensor& x) const {
-    auto parts = proj_->forward(x).chunk(2, -1);
-    return out_->forward(parts[0] * torch::gelu(parts[1]));  // exact (erf) GELU, as F.gelu
+    // value * gelu(gate) over proj's two halves, exact (erf) GELU as F.gelu;
+    // fused on CUDA (geglu.hpp).
+    return out_->forward(geglu(proj_->forward(x)));
   }
 
  private:
@@ -320,9 +324,10 @@ class Transformer2DModel : public torch::nn::Module {
     }
     for (const auto& block : blocks_) t = block->forward(t, context);
     if (linear_projection_) {
-      t = proj_out_linear_->forward(t).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous();
+      // Channels-last input: the permuted tokens already are NHWC, no copy.
+      t = proj_out_linear_->forward(t).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());
     } else {
-      t = proj_out_conv_->forward(t.reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous());
+      t = proj_out_conv_->forward(t.reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format()));
     }
     return t + x;
   }
@@ -715,6 +720,7 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
   variable_list embedded = run(false, {sample_in}, [&](const variable_list& in) {
     Tensor emb = time_embedding(in[0], timestep, text_embeds, time_ids);
     Tensor s = cfg.center_input_sample ? in[0] * 2.0 - 1.0 : in[0];
+    if (channels_last_) s = s.contiguous(torch::MemoryFormat::ChannelsLast);  // and so is everything after
     return variable_list{emb, conv_in_->forward(s)};
   });
   const Tensor emb = embedded[0];
@@ -757,7 +763,7 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
 
   // Unit "head".
   return run(false, {sample}, [this](const variable_list& in) {
-    return variable_list{conv_out_->forward(torch::silu(conv_norm_out_->forward(in[0])))};
+    return variable_list{conv_out_->forward(conv_norm_out_->forward_silu(in[0])).contiguous()};
   })[0];
 }
 

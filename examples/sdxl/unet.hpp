@@ -72,6 +72,13 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   /// torch.utils.checkpoint; see unet.cpp). Gradients are unchanged.
   void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
   bool activation_checkpointing() const { return activation_checkpointing_; }
+  /// Runs the convolutional path in channels-last (NHWC) memory order: cuDNN
+  /// then needs no NCHW<->NHWC transposes around each convolution, and the
+  /// GroupNorms (+SiLU) run a fused NHWC kernel on CUDA. The output is
+  /// returned NCHW-contiguous either way; the values differ from NCHW only by
+  /// rounding (other kernels, other summation orders).
+  void set_channels_last(bool enabled) { channels_last_ = enabled; }
+  bool channels_last() const { return channels_last_; }
 
   /// Wraps each unit's computation (in units() order) during forward: the
   /// runner gets the unit's index, its tensor inputs, the body to run and
@@ -96,6 +103,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
   UNetConfig config_;
   bool activation_checkpointing_ = false;
+  bool channels_last_ = false;
   UnitRunner unit_runner_;
 
   std::shared_ptr<Conv2d> conv_in_;

@@ -3,7 +3,8 @@
 //
 //   unet_bench [--device cuda] [--dtype bf16] [--batch 1] [--latent 128] [--tokens 77]
 //              [--steps 5] [--warmup 2] [--backward] [--checkpointing]
-//              [--attention default|flash|efficient|cudnn|math] [--cuda_graph] [--profile trace.json]
+//              [--attention default|flash|efficient|cudnn|math] [--channels_last] [--cuda_graph]
+//              [--profile trace.json]
 //
 // Prints the mean step time over --steps after --warmup untimed steps.
 // --cuda_graph captures one step in a CUDA graph and times its replays (the
@@ -42,7 +43,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Forward/backward timing of the SDXL UNet with random weights"};
   std::string device_name = "cuda", dtype_name = "bf16";
   std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
-  bool backward = false, checkpointing = false, cuda_graph = false;
+  bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false;
   std::string json_path, attention = "default", profile_path;
   app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "append one JSON line with the result to this file");
   app.add_option("--attention", attention, "scaled-dot-product attention kernel: " + sdxl::attention_backend_choices())
       ->capture_default_str();
+  app.add_flag("--channels_last", channels_last, "run the convolutional path in NHWC (UNet::set_channels_last)");
   app.add_flag("--cuda_graph", cuda_graph, "capture one step in a CUDA graph and time its replays (CUDA only)");
   app.add_option("--profile", profile_path, "write a Kineto trace of one more step to this file (CUDA only)");
   CLI11_PARSE(app, argc, argv);
@@ -79,6 +81,7 @@ int main(int argc, char** argv) {
     build.activation_checkpointing = checkpointing;
     const auto t0 = std::chrono::steady_clock::now();
     sdxl::UNet2DConditionModel model(sdxl::UNetConfig::sdxl_base(), build);
+    model->set_channels_last(channels_last);
     synchronize(device);
     std::cout << "built SDXL UNet (" << model->parameters().size() << " tensors) in "
               << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
@@ -163,7 +166,8 @@ int main(int argc, char** argv) {
     const double tflop = 20.62 * batch * (latent * latent) / (128.0 * 128.0) / (backward ? 1.0 : 3.0);
     const double tflops = tflop / (ms / 1e3);
     std::cout << (backward ? "forward+backward" : "forward") << (checkpointing ? " (checkpointing)" : "")
-              << (cuda_graph ? " (CUDA graph)" : "") << ", attention " << attention
+              << (cuda_graph ? " (CUDA graph)" : "") << (channels_last ? " (channels-last)" : "") << ", attention "
+              << attention
               << ", batch " << batch << ", latent " << latent << "x" << latent << ", " << dtype_name << " on "
               << device << ": " << ms << " ms/step, " << 1e3 * batch / ms << " images/s, " << tflops
               << " TFLOP/s (MFU " << 100 * tflops / 989.0 << "% of 989), peak allocated " << peak_gib << " GiB\n";
@@ -171,7 +175,7 @@ int main(int argc, char** argv) {
       std::ofstream out(json_path, std::ios::app);
       out << "{\"pass\": \"" << (backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
           << (checkpointing ? "true" : "false") << ", \"cuda_graph\": " << (cuda_graph ? "true" : "false")
-          << ", \"attention\": \"" << attention << "\", \"batch\": " << batch << ", \"latent\": " << latent
+          << ", \"channels_last\": " << (channels_last ? "true" : "false") << ", \"attention\": \"" << attention << "\", \"batch\": " << batch << ", \"latent\": " << latent
           << ", \"dtype\": \"" << dtype_name << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": "
           << 1e3 * batch / ms << ", \"tflops\": " << tflops << ", \"mfu_vs_989\": " << tflops / 989.0
           << ", \"peak_allocated_gib\": " << peak_gib << ", \"steps\": " << steps << "}\n";

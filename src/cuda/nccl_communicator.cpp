@@ -315,6 +315,17 @@ WorkPtr NcclCommunicator::finish(Stream stream) {
   return std::make_unique<NcclWork>(state_, event);
 }
 
+// One rank: every reduction of a single contribution is that contribution
+// (sum, average, min, max; the fp32 widening round-trips exactly), and a
+// gather of one slice is the slice. A device copy, or nothing in place,
+// gives the same bits as NCCL's one-rank kernels without their passes over
+// the data (and, for half precision, the fp32 conversions).
+WorkPtr NcclCommunicator::one_rank_copy(void* dst, const void* src, std::size_t bytes, Stream stream) {
+  if (dst != src)
+    ZERO_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+  return finish(stream);
+}
+
 bool NcclCommunicator::widen(DType dtype, ReduceOp op) const {
   return options_.half_reduction == HalfReduction::fp32_accumulate && dtype != DType::fp32 &&
          (op == ReduceOp::sum || op == ReduceOp::avg);
@@ -353,6 +364,7 @@ WorkPtr NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size
   if (count == 0) return std::make_unique<CompletedWork>();
   DeviceGuard guard(device_);
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  if (size_ == 1) return one_rank_copy(recv, send, count * element, stream);
   if (widen(dtype, op)) {
     float* wide = fp32_scratch(count * world + count, stream);
     gpu::convert(send, dtype, wide, DType::fp32, count * world, stream);
@@ -378,6 +390,7 @@ WorkPtr NcclCommunicator::all_gather(const void* send, void* recv, std::size_t c
              "all_gather: send overlaps recv without being its rank's slice (recv + rank * count)");
   if (count == 0) return std::make_unique<CompletedWork>();
   DeviceGuard guard(device_);
+  if (size_ == 1) return one_rank_copy(recv, send, count * element, stream);
   ZERO_CHECK_NCCL(ncclAllGather(send, recv, count, nccl_type(dtype), state_->comm,
                                 static_cast<cudaStream_t>(stream)));
   return finish(stream);
@@ -389,6 +402,7 @@ WorkPtr NcclCommunicator::all_reduce(void* buffer, std::size_t count, DType dtyp
   check_dtype(dtype, "all_reduce");
   if (count == 0) return std::make_unique<CompletedWork>();
   DeviceGuard guard(device_);
+  if (size_ == 1) return finish(stream);  // in place: nothing moves
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   if (widen(dtype, op)) {
     float* wide = fp32_scratch(count, stream);

@@ -287,6 +287,47 @@ TEST_CASE("tiny: fp32 forward matches diffusers' float64 reference") {
   CHECK(torch::allclose(first, one));
 }
 
+TEST_CASE("tiny: channels-last matches diffusers' reference, returns NCHW, same gradients up to rounding") {
+  sdxl::UNet2DConditionModel model = sdxl::load_unet(kTinyWeights);
+  const TinyInputs in = tiny_inputs();
+  model->set_channels_last(true);
+  {
+    torch::NoGradGuard no_grad;
+    const Tensor out = model->forward(in.sample, in.timestep, in.context, in.text_embeds, in.time_ids);
+    CHECK(out.is_contiguous());
+    const double err64 = relative_l2(out, in.expected_f64);
+    MESSAGE("channels-last: relative L2 error vs expected_f64: ", err64);
+    CHECK(err64 <= 1e-5);
+  }
+  // Gradients, in float64 so that only the summation order differs.
+  model->to(torch::kFloat64);
+  torch::manual_seed(11);
+  const Tensor weight = torch::randn(in.sample.sizes(), torch::kFloat64);
+  auto grads = [&](bool channels_last) {
+    model->set_channels_last(channels_last);
+    model->zero_grad();
+    Tensor sample = in.sample.to(torch::kFloat64).requires_grad_(true);
+    Tensor out = model->forward(sample, in.timestep, in.context.to(torch::kFloat64), in.text_embeds.to(torch::kFloat64),
+                                in.time_ids);
+    (out * weight).sum().backward();
+    std::vector<Tensor> g{sample.grad().clone()};
+    for (const auto& p : model->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  const auto nchw = grads(false), nhwc = grads(true);
+  // Relative to each tensor, or to the largest gradient for tensors whose
+  // gradient is mathematically zero (tiny's GroupNorms have one channel per group).
+  double global = 0;
+  for (std::size_t i = 1; i < nchw.size(); ++i) global = std::max(global, nchw[i].abs().max().item<double>());
+  double worst = 0;
+  for (std::size_t i = 0; i < nchw.size(); ++i) {
+    const double scale = std::max(nchw[i].abs().max().item<double>(), 1e-6 * global);
+    worst = std::max(worst, (nchw[i] - nhwc[i]).abs().max().item<double>() / scale);
+  }
+  MESSAGE("channels-last: largest relative gradient difference (float64): ", worst);
+  CHECK(worst <= 1e-8);
+}
+
 TEST_CASE("tiny: sizes that are not a multiple of the downsampling factor") {
   sdxl::UNet2DConditionModel model = sdxl::load_unet(kTinyWeights);
   const TinyInputs in = tiny_inputs();

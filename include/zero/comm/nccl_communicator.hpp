@@ -98,6 +98,7 @@ class NcclCommunicator final : public Communicator {
  private:
   void init_common();
   WorkPtr finish(Stream stream);
+  WorkPtr one_rank_copy(void* dst, const void* src, std::size_t bytes, Stream stream);
   float* fp32_scratch(std::size_t elements, Stream stream);
   void release_scratch(Stream stream);
   bool widen(DType dtype, ReduceOp op) const;

@@ -35,10 +35,26 @@ if has build; then
   timeout "${BUILD_LIMIT:-400}" ninja -C "$BUILD" ${TARGETS:-train unet_bench} > "$OUT_DIR/build.log" 2>&1 || { grep -E "error" -A5 "$OUT_DIR/build.log" | head -60 | tee -a "$LOG"; exit 1; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 fi
+if has tests; then
+  for t in zero_sdxl_geglu_tests zero_sdxl_group_norm_tests; do
+    [ -x "$BUILD/tests/sdxl/$t" ] || continue
+    say "$t --gpu"
+    timeout 300 "$BUILD/tests/sdxl/$t" --gpu > "$OUT_DIR/$t.log" 2>&1
+    echo "exit $?" >> "$OUT_DIR/$t.log"
+    grep -E "test cases|assertions|ERROR|exit" "$OUT_DIR/$t.log" | head -20 | tee -a "$LOG"
+  done
+  if [ -x "$BUILD/tests/gpu_engine/zero_gpu_engine_tests" ]; then
+    say "GPU engine tests np 1 (NCCL, one rank)"
+    timeout 240 mpirun -np 1 --bind-to none "$BUILD/tests/gpu_engine/zero_gpu_engine_tests" > "$OUT_DIR/gpu-engine-np1.log" 2>&1
+    echo "exit $?" | tee -a "$LOG"
+    grep -E "test cases|assertions|ERROR" "$OUT_DIR/gpu-engine-np1.log" | head -12 | tee -a "$LOG"
+  fi
+fi
 if has bench; then
-  for attn in ${ATTENTION:-default cudnn efficient}; do
+  for attn in ${ATTENTION:-default}; do
     bench "b8-$attn" 120 --batch 8 --steps 4 --warmup 2 --attention "$attn"
   done
+  bench b8-channels-last 120 --batch 8 --steps 4 --warmup 2 --channels_last
 fi
 if has graph; then
   bench b1-eager 120 --batch 1 --steps 10 --warmup 3

@@ -79,21 +79,40 @@ class GraphedMicroStep {
   torch::Tensor run(const variable_list& inputs, const std::function<torch::Tensor(const variable_list&)>& body) {
     sharded_.wait_for_parameters();  // stage 1: the gathers step() left in flight
     if (!graph_) {
-      for (const torch::Tensor& t : inputs) static_inputs_.push_back(t.defined() ? t.clone() : t);
       const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
-      const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, current.device_index());
+      if (!side_) side_ = c10::cuda::getStreamFromPool(false, current.device_index());
       at::cuda::CUDAEvent before, after;
       before.record(current);
-      before.block(side);
+      before.block(*side_);
+      torch::Tensor loss;
       {
-        c10::cuda::CUDAStreamGuard guard(side);
-        graph_.emplace();
-        graph_->capture_begin();
-        loss_ = body(static_inputs_);
-        graph_->capture_end();
+        c10::cuda::CUDAStreamGuard guard(*side_);
+        if (!warmed_up_) {
+          // One eager step on the capture stream first: the per-stream
+          // cuBLAS/cuDNN workspaces and handles exist before capture.
+          loss = body(inputs);
+          warmed_up_ = true;
+        } else {
+          for (const torch::Tensor& t : inputs) static_inputs_.push_back(t.defined() ? t.clone() : t);
+          graph_.emplace();
+          graph_->capture_begin();
+          try {
+            loss_ = body(static_inputs_);
+          } catch (const std::exception& e) {
+            // End the broken capture so that this error is what surfaces, not
+            // every later CUDA call failing.
+            cudaGraph_t broken = nullptr;
+            (void)cudaStreamEndCapture(side_->stream(), &broken);
+            if (broken) (void)cudaGraphDestroy(broken);
+            (void)cudaGetLastError();
+            ZERO_THROW(zero::Error, "[device] cuda_graph: capturing forward and backward failed: ", e.what());
+          }
+          graph_->capture_end();
+        }
       }
-      after.record(side);
+      after.record(*side_);
       after.block(current);
+      if (!graph_) return loss;
     } else {
       ZERO_CHECK(inputs.size() == static_inputs_.size(), "cuda_graph: ", inputs.size(), " inputs, captured with ",
                  static_inputs_.size());
@@ -113,6 +132,8 @@ class GraphedMicroStep {
  private:
   zero::adapter::ShardedModel& sharded_;
   std::optional<at::cuda::CUDAGraph> graph_;
+  std::optional<c10::cuda::CUDAStream> side_;
+  bool warmed_up_ = false;
   variable_list static_inputs_;
   torch::Tensor loss_;
 };
@@ -526,8 +547,9 @@ int main(int argc, char** argv) {
     data::SamplerState sampler_state = resumed.sampler.value_or(loader.state());
     std::int64_t nonfinite_in_a_row = 0;
     // [device] cuda_graph: the first step of this process runs eagerly (cuDNN's
-    // algorithm search, cuBLAS handles, the allocator's blocks), the second is
-    // captured, and every step replays it.
+    // algorithm search, cuBLAS handles, the allocator's blocks), the second
+    // eagerly on the capture stream, the third is captured, and every step
+    // from there replays it.
     std::int64_t eager_steps_done = 0;
 #ifdef ZERO_TRAIN_CUDA
     GraphedMicroStep graphed(sharded);

@@ -752,7 +752,8 @@ TRAINER_EXTRAS = [("offload/summary.json", "optimizer offload", "run_offload_dev
 
 
 RUN_WORDS = {"device": "on device", "nockpt": "no checkpointing", "nocudnnbench": "no cuDNN benchmark",
-             "nooffload": "no offload", "params": "params offloaded"}
+             "nooffload": "no offload", "params": "params offloaded", "noema": "no EMA", "cl": "channels-last",
+             "graph": "CUDA graph"}
 
 
 def run_label(rest):

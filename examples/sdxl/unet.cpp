@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "geglu.hpp"
+#include "group_norm_nhwc.hpp"
 #include "zero/core/error.hpp"
 
 namespace sdxl {
@@ -101,9 +102,11 @@ class GroupNorm : public torch::nn::Module {
     weight_ = register_parameter("weight", f.filled({channels}, 1.0));
     bias_ = register_parameter("bias", f.filled({channels}, 0.0));
   }
-  Tensor forward(const Tensor& x) const { return torch::group_norm(x, groups_, weight_, bias_, eps_); }
+  // torch::group_norm (+ torch::silu), or on channels-last CUDA activations
+  // the fused NHWC kernels (group_norm_nhwc.hpp).
+  Tensor forward(const Tensor& x) const { return group_norm_act(x, groups_, weight_, bias_, eps_, false); }
   /// silu(forward(x)), as the ResNet blocks and the head use it.
-  Tensor forward_silu(const Tensor& x) const { return torch::silu(forward(x)); }
+  Tensor forward_silu(const Tensor& x) const { return group_norm_act(x, groups_, weight_, bias_, eps_, true); }
 
  private:
   Tensor weight_, bias_;

@@ -46,7 +46,6 @@
 #define ZERO_TRAIN_CUDA 1
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,40 +78,27 @@ class GraphedMicroStep {
   torch::Tensor run(const variable_list& inputs, const std::function<torch::Tensor(const variable_list&)>& body) {
     sharded_.wait_for_parameters();  // stage 1: the gathers step() left in flight
     if (!graph_) {
-      const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
-      if (!side_) side_ = c10::cuda::getStreamFromPool(false, current.device_index());
-      at::cuda::CUDAEvent before, after;
-      before.record(current);
-      before.block(*side_);
-      torch::Tensor loss;
-      {
-        c10::cuda::CUDAStreamGuard guard(*side_);
-        if (!warmed_up_) {
-          // One eager step on the capture stream first: the per-stream
-          // cuBLAS/cuDNN workspaces and handles exist before capture.
-          loss = body(inputs);
-          warmed_up_ = true;
-        } else {
-          for (const torch::Tensor& t : inputs) static_inputs_.push_back(t.defined() ? t.clone() : t);
-          graph_.emplace();
-          graph_->capture_begin();
-          try {
-            loss_ = body(static_inputs_);
-          } catch (const std::exception& e) {
-            // End the broken capture so that this error is what surfaces, not
-            // every later CUDA call failing.
-            cudaGraph_t broken = nullptr;
-            (void)cudaStreamEndCapture(side_->stream(), &broken);
-            if (broken) (void)cudaGraphDestroy(broken);
-            (void)cudaGetLastError();
-            ZERO_THROW(zero::Error, "[device] cuda_graph: capturing forward and backward failed: ", e.what());
-          }
-          graph_->capture_end();
-        }
+      const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+      ZERO_CHECK(stream != c10::cuda::getDefaultCUDAStream(stream.device_index()),
+                 "cuda_graph: the current stream is the default stream, which cannot be captured");
+      for (const torch::Tensor& t : inputs) static_inputs_.push_back(t.defined() ? t.clone() : t);
+      // The eager step's activations are cached, unused, in the allocator;
+      // give them back so that the graph's own pool does not double them.
+      c10::cuda::CUDACachingAllocator::emptyCache();
+      graph_.emplace();
+      graph_->capture_begin();
+      try {
+        loss_ = body(static_inputs_);
+      } catch (const std::exception& e) {
+        // End the broken capture so that this error is what surfaces, not
+        // every later CUDA call failing.
+        cudaGraph_t broken = nullptr;
+        (void)cudaStreamEndCapture(stream.stream(), &broken);
+        if (broken) (void)cudaGraphDestroy(broken);
+        (void)cudaGetLastError();
+        ZERO_THROW(zero::Error, "[device] cuda_graph: capturing forward and backward failed: ", e.what());
       }
-      after.record(*side_);
-      after.block(current);
-      if (!graph_) return loss;
+      graph_->capture_end();
     } else {
       ZERO_CHECK(inputs.size() == static_inputs_.size(), "cuda_graph: ", inputs.size(), " inputs, captured with ",
                  static_inputs_.size());
@@ -132,8 +118,6 @@ class GraphedMicroStep {
  private:
   zero::adapter::ShardedModel& sharded_;
   std::optional<at::cuda::CUDAGraph> graph_;
-  std::optional<c10::cuda::CUDAStream> side_;
-  bool warmed_up_ = false;
   variable_list static_inputs_;
   torch::Tensor loss_;
 };
@@ -400,6 +384,12 @@ int main(int argc, char** argv) {
         device_comm = std::make_unique<zero::NcclCommunicator>(host_comm.mpi_comm(), zero::NcclOptions{.device = index});
       else
         device_comm = std::make_unique<zero::StagedCommunicator>(host_comm);
+      if (cfg.cuda_graph) {
+        // A graph cannot be captured on the legacy default stream, and each
+        // parameter's gradient accumulator runs on the stream the parameter
+        // was first used on: the whole run goes on one pool stream.
+        c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(index)));
+      }
       backend = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
       // Shapes are fixed per bucket: timing the algorithms once pays back.
       at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark);
@@ -547,9 +537,8 @@ int main(int argc, char** argv) {
     data::SamplerState sampler_state = resumed.sampler.value_or(loader.state());
     std::int64_t nonfinite_in_a_row = 0;
     // [device] cuda_graph: the first step of this process runs eagerly (cuDNN's
-    // algorithm search, cuBLAS handles, the allocator's blocks), the second
-    // eagerly on the capture stream, the third is captured, and every step
-    // from there replays it.
+    // algorithm search, cuBLAS handles and workspaces), the second is
+    // captured, and every step from there replays it.
     std::int64_t eager_steps_done = 0;
 #ifdef ZERO_TRAIN_CUDA
     GraphedMicroStep graphed(sharded);

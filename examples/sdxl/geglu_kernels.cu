@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "geglu_kernels.hpp"
+#include "kernel_elements.cuh"
 #include "zero/core/error.hpp"
 
 namespace sdxl::cuda {
@@ -41,20 +42,6 @@ constexpr std::int64_t kNarrowItems = 0xffffffff;  // up to here, 32-bit index d
 
 constexpr float kSqrtHalf = 0.70710678118654752440f;    // 1 / sqrt(2)
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // 1 / sqrt(2 pi)
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-  else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
 
 // The value the composite would hold after storing v as a T tensor.
 template <typename T>

@@ -46,6 +46,7 @@
 #include <type_traits>
 
 #include "group_norm_nhwc_kernels.hpp"
+#include "kernel_elements.cuh"
 
 namespace sdxl::cuda {
 namespace {
@@ -65,20 +66,6 @@ constexpr std::int64_t kReduceMinTile = 32;    // its per-(tile, c) partials sta
 constexpr std::int64_t kMinTileBytes = 48 * 1024;
 
 // ---------------------------------------------------------------- element helpers
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-  else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
 
 template <typename T>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {

@@ -468,17 +468,4 @@ TEST_CASE("group_norm_act cuda: beyond 2^31 elements (64-bit indexing)") {
 #endif
 }
 
-int main(int argc, char** argv) {
-  std::vector<char*> args;
-  bool gpu = false;
-  for (int i = 0; i < argc; ++i) {
-    if (i > 0 && std::string_view(argv[i]) == "--gpu") gpu = true;
-    else args.push_back(argv[i]);
-  }
-  if (gpu && !torch::cuda::is_available()) {
-    std::printf("skipped: no CUDA device visible to LibTorch\n");
-    return 77;
-  }
-  doctest::Context context(static_cast<int>(args.size()), args.data());
-  return context.run();
-}
+#include "gpu_test_main.hpp"

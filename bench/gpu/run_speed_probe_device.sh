@@ -36,7 +36,7 @@ if has build; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 fi
 if has tests; then
-  for t in zero_sdxl_geglu_tests zero_sdxl_group_norm_tests; do
+  for t in zero_sdxl_geglu_tests zero_sdxl_group_norm_nhwc_tests; do
     [ -x "$BUILD/tests/sdxl/$t" ] || continue
     say "$t --gpu"
     timeout 300 "$BUILD/tests/sdxl/$t" --gpu > "$OUT_DIR/$t.log" 2>&1

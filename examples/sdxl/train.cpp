@@ -581,11 +581,12 @@ int main(int argc, char** argv) {
         }
         torch::Tensor timesteps = torch::cat(times);
         torch::Tensor noise = torch::cat(noises).to(device, compute_type);
-        torch::Tensor noisy = schedule.add_noise(latents, noise, timesteps.to(device));
-        torch::Tensor target = schedule.target(prediction, latents, noise, timesteps.to(device));
+        const torch::Tensor timesteps_on_device = timesteps.to(device);
+        torch::Tensor noisy = schedule.add_noise(latents, noise, timesteps_on_device);
+        torch::Tensor target = schedule.target(prediction, latents, noise, timesteps_on_device);
         torch::Tensor weights;
         if (cfg.min_snr_gamma > 0) weights = schedule.min_snr_weights(prediction, timesteps, cfg.min_snr_gamma);
-        torch::Tensor timesteps_in = timesteps.to(device, torch::kFloat32);
+        torch::Tensor timesteps_in = timesteps_on_device.to(torch::kFloat32);
         if (weights.defined()) weights = weights.to(device, torch::kFloat32);
         torch::Tensor loss;
         if (cfg.cuda_graph && eager_steps_done > 0) {

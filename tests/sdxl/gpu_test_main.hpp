@@ -1,11 +1,23 @@
-// main() of the sdxl kernel tests: doctest, plus `--gpu`, which runs the
-// CUDA cases and exits 77 (CTest's "skipped") when LibTorch sees no GPU.
-// Included once, after doctest (DOCTEST_CONFIG_IMPLEMENT) and torch.
+// doctest and main() of the sdxl kernel tests. Include after LibTorch's
+// headers, in place of doctest: LibTorch builds with glog (Debian's 1.13)
+// define CHECK* macros through c10/util/Logging.h, and doctest's must win.
+// `--gpu` runs the CUDA cases and exits 77 (CTest's "skipped") when LibTorch
+// sees no GPU.
 #pragma once
 
 #include <cstdio>
 #include <string_view>
 #include <vector>
+
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
 
 int main(int argc, char** argv) {
   std::vector<char*> args;

@@ -26,17 +26,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-// LibTorch builds with glog (Debian's 1.13) define CHECK* macros through
-// c10/util/Logging.h; doctest's must win, so it is included last.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "gpu_test_main.hpp"  // doctest, after LibTorch; and main()
 
 using torch::Tensor;
 
@@ -313,5 +303,3 @@ TEST_CASE("geglu cuda: CUDA graph capture and replay") {
   MESSAGE("built without the CUDA test parts");
 #endif
 }
-
-#include "gpu_test_main.hpp"

@@ -20,7 +20,8 @@
 
 #include "zero/core/error.hpp"
 #include "zero/engine/engine.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "zero/engine/engine_state.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 #include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 

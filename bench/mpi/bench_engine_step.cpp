@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
       EngineOptions options;
       options.stage = stage;
       options.param_dtype = dtype;
-      options.bucket_bytes = bucket_mib << 20;
+      options.buckets.bytes = bucket_mib << 20;
       Engine engine(params, options, comm, *backend);
       std::vector<double> times;
       for (int it = 0; it <= iterations; ++it) {

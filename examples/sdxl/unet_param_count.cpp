@@ -2,6 +2,8 @@
 // module registers, in registration order (which is named_parameters() order).
 #include "unet_param_count.hpp"
 
+#include "sdxl_calibration.hpp"
+
 #include "zero/core/error.hpp"
 
 namespace sdxl {
@@ -148,8 +150,8 @@ zero::plan::ActivationModel plan_activations(const UNetConfig& config, std::int6
   ZERO_CHECK(latent_size > 0, "latent size must be positive, got ", latent_size);
   zero::plan::ActivationModel model =
       config == UNetConfig::sdxl_base()
-          ? zero::plan::ActivationModel::sdxl_unet()
-          : zero::plan::ActivationModel::scaled_from_sdxl(static_cast<std::size_t>(count_parameters(config)));
+          ? calibration::activation_model()
+          : calibration::scaled_activation_model(static_cast<std::size_t>(count_parameters(config)));
   model.area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
   return model;
 }

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "unet_config.hpp"
+#include "sdxl_calibration.hpp"
 #include "unet_param_count.hpp"
 #include "zero/core/error.hpp"
 #include "zero/engine/memory_model.hpp"
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
     } else {
       in.param_count = parse_count(params_text);
       in.model_name = params_text + " parameters";
-      in.activations = zero::plan::ActivationModel::scaled_from_sdxl(in.param_count);
+      in.activations = sdxl::calibration::scaled_activation_model(in.param_count);
       in.activations.area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
     }
     if (!per_sample_text.empty() || !fixed_text.empty()) {
@@ -142,23 +143,25 @@ int main(int argc, char** argv) {
       in.activations.fixed_bytes_checkpointed = in.activations.fixed_bytes_full = fixed;
       in.activations.source = "given";
     }
+    in.runtime_overhead_bytes = sdxl::calibration::runtime_overhead_bytes();
+    in.speed = sdxl::calibration::speed_model();
     if (!overhead_text.empty()) in.runtime_overhead_bytes = zero::parse_bytes(overhead_text, "--runtime-overhead");
     in.world_size = world_size;
     in.gpus_per_host = gpus_per_host;
-    in.stage = stage;
-    in.param_dtype = zero::parse_dtype(precision, "--precision");
-    in.optimizer.kind = zero::parse_optimizer_kind(optimizer, "--optimizer");
-    if (in.optimizer.kind == zero::OptimizerKind::sgd) in.optimizer.momentum = 0.9;  // the trainer's default
-    in.ema = ema;
-    in.offload_optimizer = offload;
-    in.offload_params = offload_params;
-    in.offload_delayed_update = delayed_update;
-    in.accumulation_steps = accumulation;
-    in.accumulation = accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
+    in.engine.stage = stage;
+    in.engine.param_dtype = zero::parse_dtype(precision, "--precision");
+    in.engine.optimizer.kind = zero::parse_optimizer_kind(optimizer, "--optimizer");
+    if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default
+    in.engine.ema.decay = ema ? 0.9999 : 0.0;  // only on or off matters to memory
+    in.engine.offload.optimizer = offload;
+    in.engine.offload.params = offload_params;
+    in.engine.offload.delayed_update = delayed_update;
+    in.engine.accumulation_steps = accumulation;
+    in.engine.accumulation = accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                       : zero::GradAccumulation::reduce_each_micro_step;
     ZERO_CHECK(bucket_mib > 0, "--bucket-mib must be positive, got ", bucket_mib);
-    in.bucket_bytes = static_cast<std::size_t>(bucket_mib * (1 << 20));
-    in.max_reductions_in_flight = in_flight;
+    in.engine.buckets.bytes = static_cast<std::size_t>(bucket_mib * (1 << 20));
+    in.engine.buckets.max_reductions_in_flight = in_flight;
     in.fp32_accumulate_reductions = fp32_accumulate;
     in.batch = batch;
     in.activation_checkpointing = checkpointing;

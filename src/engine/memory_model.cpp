@@ -8,61 +8,46 @@
 
 namespace zero {
 
-MemoryByCategory model_state_bytes(const ModelStateConfig& c) {
-  ZERO_CHECK(c.world_size >= 1, "world_size must be >= 1, got ", c.world_size);
-  ZERO_CHECK(c.stage >= 0 && c.stage <= 3, "stage must be 0, 1, 2 or 3, got ", c.stage);
-  ZERO_CHECK(c.numel % static_cast<std::size_t>(c.world_size) == 0, "numel ", c.numel,
-             " is not a multiple of world_size ", c.world_size, " (pass the padded length)");
-  const std::size_t full = c.numel;
-  const std::size_t shard = c.numel / static_cast<std::size_t>(c.world_size);
-  const std::size_t p = size_of(c.param_dtype), g = size_of(c.grad_dtype);
-  const bool multi = c.accumulation_steps > 1;
+MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_numel) {
+  const auto world = static_cast<std::size_t>(plan.world_size);
+  ZERO_CHECK(padded_numel % world == 0, "numel ", padded_numel, " is not a multiple of world_size ", world,
+             " (pass the padded length)");
+  const std::size_t full = padded_numel, shard = padded_numel / world;
+  const std::size_t p = plan.param_bytes(), g = plan.grad_bytes();
+  const std::size_t optimizer = plan.optimizer_elements(padded_numel) * 4;
   MemoryByCategory m;
-  m.params = (c.stage == 3 ? shard : full) * p;
-  // Where reduced gradients live: stages 0-1 reduce in place into the full
-  // buffer unless several micro-steps are each reduced (then a sharded
-  // accumulator holds the running sum); stages 2-3 always keep the sharded
-  // accumulator. Where backward writes: a full buffer at stages 0-1 and when
-  // accumulating locally to the boundary over several micro-steps at 2-3;
-  // otherwise transient bucket buffers (counted as buffers).
-  const bool full_grads = c.stage <= 1 || (c.accumulation == GradAccumulation::reduce_at_boundary && multi);
-  const bool shard_accumulator =
-      c.stage >= 2 || (c.accumulation == GradAccumulation::reduce_each_micro_step && multi);
-  m.grads = (full_grads ? full * g : 0) + (shard_accumulator ? shard * g : 0);
-  const std::size_t optimizer_elements = c.stage == 0 ? full : shard;
-  m.master = c.param_dtype == DType::fp32 ? 0 : optimizer_elements * 4;
-  m.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * optimizer_elements * 4;
-  m.ema = c.ema ? optimizer_elements * 4 : 0;
-  if (c.offload_optimizer) {
-    ZERO_CHECK(c.stage >= 1, "offload_optimizer needs stage 1, 2 or 3 (stage 0 keeps a full optimizer on every rank)");
-    m.master = m.optimizer_state = m.ema = 0;
-    if (c.accumulation_steps == 1 && shard_accumulator) m.grads -= shard * g;  // streamed to the host
-  }
-  if (c.offload_params) {
-    ZERO_CHECK(c.stage == 3 && c.offload_optimizer,
-               "offload_params needs stage 3 with offload_optimizer (stage ", c.stage,
-               c.offload_optimizer ? "" : ", optimizer not offloaded", ")");
-    m.params = 0;
+  m.params = plan.params_on_host ? 0 : (plan.params_full ? full : shard) * p;
+  m.grads = (plan.full_grads ? full * g : 0) + (plan.grad_shard_on_device() ? shard * g : 0);
+  if (!plan.optimizer_on_host) {
+    m.master = plan.has_master ? optimizer : 0;
+    m.optimizer_state = static_cast<std::size_t>(plan.state_slots) * optimizer;
+    m.ema = plan.ema ? optimizer : 0;
   }
   return m;
 }
 
-MemoryByCategory host_model_state_bytes(const ModelStateConfig& c) {
+MemoryByCategory model_state_bytes(const EngineOptions& options, std::size_t padded_numel, int world_size) {
+  return model_state_bytes(StagePlan::of(options, world_size), padded_numel);
+}
+
+MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padded_numel) {
   MemoryByCategory h;
-  if (!c.offload_optimizer) return h;
-  (void)model_state_bytes(c);  // the same argument checks
-  const std::size_t shard = c.numel / static_cast<std::size_t>(c.world_size);
+  if (!plan.optimizer_on_host) return h;
+  const std::size_t shard = padded_numel / static_cast<std::size_t>(plan.world_size);
   h.master = shard * 4;
-  h.optimizer_state = static_cast<std::size_t>(c.optimizer.state_slots()) * shard * 4;
-  h.ema = c.ema ? shard * 4 : 0;
-  h.params = c.offload_params ? shard * size_of(c.param_dtype) : 0;
-  h.buffers = shard * (size_of(c.grad_dtype) + (c.offload_params ? 0 : size_of(c.param_dtype)));
-  if (c.offload_delayed_update) {
-    ZERO_CHECK(!c.offload_params && c.accumulation_steps == 1,
-               "offload_delayed_update needs offload_optimizer with one micro-step per step and no offload_params");
-    h.buffers *= 2;  // the update reads and writes one pair while backward streams into the other
-  }
+  h.optimizer_state = static_cast<std::size_t>(plan.state_slots) * shard * 4;
+  h.ema = plan.ema ? shard * 4 : 0;
+  h.params = plan.params_on_host ? shard * plan.param_bytes() : 0;
+  // The gradient shard copied down, and (unless the CPU writes offloaded
+  // parameters in place) the updated model-dtype shard copied back up; the
+  // delayed update reads and writes one pair while backward streams into the other.
+  h.buffers = shard * (plan.grad_bytes() + (plan.params_on_host ? 0 : plan.param_bytes()));
+  if (plan.delayed_update) h.buffers *= 2;
   return h;
+}
+
+MemoryByCategory host_model_state_bytes(const EngineOptions& options, std::size_t padded_numel, int world_size) {
+  return host_model_state_bytes(StagePlan::of(options, world_size), padded_numel);
 }
 
 std::size_t parse_bytes(const std::string& text, const std::string& what) {

@@ -29,4 +29,13 @@ inline std::string printable_error_text(std::string_view what, std::size_t max_c
   return out;
 }
 
+/// At most 80 bytes of a text for a message, cut on a UTF-8 character boundary.
+inline std::string brief_text(std::string_view text) {
+  constexpr std::size_t kLimit = 80;
+  if (text.size() <= kLimit) return std::string(text);
+  std::size_t cut = kLimit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0u) == 0x80u) --cut;
+  return std::string(text.substr(0, cut)) + "...";
+}
+
 }  // namespace zero::io::detail

@@ -58,14 +58,7 @@ bool mul_overflows(std::uint64_t a, std::uint64_t b, std::uint64_t& out) {
   return __builtin_mul_overflow(a, b, &out);
 }
 
-std::string brief_text(std::string_view text) {
-  constexpr std::size_t kLimit = 80;
-  if (text.size() <= kLimit) return std::string(text);
-  // Cut on a UTF-8 character boundary so the message stays valid UTF-8.
-  std::size_t cut = kLimit;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0u) == 0x80u) --cut;
-  return std::string(text.substr(0, cut)) + "...";
-}
+using detail::brief_text;
 
 // A short rendering of a header value for messages. Not Json::dump(): a
 // hostile header may hold megabytes in one field or nest arrays a million

@@ -86,7 +86,7 @@ struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
     ctx->saved_data["unit"] = unit;
     ctx->saved_data["body"] = reinterpret_cast<std::int64_t>(body);
     ctx->save_for_backward(inputs.vec());
-    model->gather(static_cast<std::size_t>(unit));
+    model->gather(static_cast<std::size_t>(unit), Pass::forward, /*recomputed=*/true);
     variable_list outputs = (*body)(inputs.vec());
     model->release(static_cast<std::size_t>(unit));
     return outputs;
@@ -98,7 +98,7 @@ struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
     variable_list saved = ctx->get_saved_variables();
     variable_list inputs;
     for (const auto& t : saved) inputs.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
-    model->gather(unit);
+    model->gather(unit, Pass::backward, /*recomputed=*/true);
     variable_list outputs;
     {
       torch::AutoGradMode enable(true);
@@ -209,27 +209,26 @@ void ShardedModel::bind_unit(std::size_t u) {
   unit.storage.set_data_ptr_noswap(at::DataPtr(data, device_));
 }
 
-void ShardedModel::gather(std::size_t u) {
-  engine_->gather_unit(u);  // stages 1-2: waits for the unit's parameter all-gather of the last step
-  if (engine_->options().stage == 3) bind_unit(u);
+void ShardedModel::gather(std::size_t u, Pass pass, bool recomputed) {
+  // Stages 1-2: waits for the unit's parameter all-gather of the last step;
+  // stage 3: gathers it, prefetching what the engine's unit schedule says.
+  engine_->enter_unit(u, pass, recomputed);
+  if (engine_->plan().gathers_units) bind_unit(u);
 }
 
 void ShardedModel::release(std::size_t u) {
-  if (engine_->options().stage < 3) return;
+  if (!engine_->plan().gathers_units) return;
   engine_->release_unit(u);
   bind_unit(u);
 }
 
 void ShardedModel::gather_for_backward(std::size_t u) {
-  if (engine_->options().stage < 3 || units_[u].backward_gathered) return;
-  gather(u);
+  if (!engine_->plan().gathers_units || units_[u].backward_gathered) return;
+  // Every gradient already in (its parameters were used outside the unit):
+  // nothing of the unit's own backward needs them.
+  if (units_[u].ready == units_[u].param_count) return;
+  gather(u, Pass::backward, /*recomputed=*/false);
   units_[u].backward_gathered = true;
-  if (units_[u].ready == units_[u].param_count) {  // nothing left to wait for
-    units_[u].backward_gathered = false;
-    release(u);
-  } else if (u > 0) {
-    engine_->prefetch_unit(u - 1);  // backward runs the units in reverse
-  }
 }
 
 torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const variable_list& inputs,
@@ -242,12 +241,8 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
     return RecomputeUnit::apply(this, static_cast<std::int64_t>(u), &recompute_bodies_.back(), anchor_,
                                 at::TensorList(inputs));
   }
-  if (engine_->options().stage < 3) {
-    gather(u);
-    return body(inputs);
-  }
-  gather(u);
-  if (u + 1 < units_.size()) engine_->prefetch_unit(u + 1);
+  gather(u, Pass::forward, /*recomputed=*/false);
+  if (!engine_->plan().gathers_units) return body(inputs);
   variable_list outputs = body(inputs);
   if (torch::GradMode::is_enabled())
     outputs = GatherBeforeBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(outputs));
@@ -261,7 +256,7 @@ void ShardedModel::bind_gradients_to_engine() {
                  o.stage);
   ZERO_CHECK(o.accumulation_steps == 1, "bind_gradients_to_engine: needs accumulation_steps = 1, got ",
                  o.accumulation_steps);
-  ZERO_CHECK(!o.offload_optimizer, "bind_gradients_to_engine: not with offload_optimizer (gradients go to the host)");
+  ZERO_CHECK(!o.offload.optimizer, "bind_gradients_to_engine: not with offload_optimizer (gradients go to the host)");
   ZERO_CHECK(grad_type_ == param_type_, "bind_gradients_to_engine: gradients must have the parameters' dtype (",
                  c10::toString(param_type_), "), got ", c10::toString(grad_type_));
   if (gradients_bound_) return;

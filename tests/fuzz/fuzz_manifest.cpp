@@ -9,7 +9,7 @@
 #include <string_view>
 
 #include "zero/core/error.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 
 namespace {
 

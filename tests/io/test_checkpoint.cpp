@@ -1,4 +1,4 @@
-// Checkpoint folders (zero/io/checkpoint.hpp): the manifest round trip and
+// Checkpoint folders (zero/checkpoint/checkpoint.hpp): the manifest round trip and
 // its reader's errors, version-1 manifests, listing, rotation, per-file
 // verification; CRC-32C; the streaming safetensors writer.
 #include <doctest/doctest.h>
@@ -11,7 +11,7 @@
 
 #include "io_error_of.hpp"
 #include "temp_dir.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 #include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 

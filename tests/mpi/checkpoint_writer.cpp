@@ -1,5 +1,5 @@
 // checkpoint_writer: trains a small model for a few steps under mpirun and
-// saves a checkpoint folder through zero/io/checkpoint.hpp, the way a trainer
+// saves a checkpoint folder through zero/checkpoint/checkpoint.hpp, the way a trainer
 // does (every rank its shard and CRC-32C, rank 0 the manifest), plus a
 // reference file of what zero-ckpt must reconstruct: the engine's own
 // gather_master_params(), gather_optimizer_state() and gather_ema_params(),
@@ -18,7 +18,7 @@
 #include "engine_steps.hpp"
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/engine.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 #include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 
@@ -57,11 +57,11 @@ int main(int argc, char** argv) {
     EngineOptions options;
     options.stage = std::stoi(argv[2]);
     options.param_dtype = DType::bf16;
-    options.alignment_elements = 8;
+    options.buckets.alignment_elements = 8;
     options.optimizer.kind = parse_optimizer_kind(argv[3]);
     options.optimizer.lr = 1e-2;
     options.optimizer.momentum = options.optimizer.kind == OptimizerKind::sgd ? 0.9 : 0.0;
-    options.ema_decay = 0.9;
+    options.ema.decay = 0.9;
     Engine engine(units(), options, comm, *backend);
     std::mt19937 rng(5);
     std::normal_distribution<float> normal;

@@ -114,10 +114,10 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.accumulation = c.mode;
   o.optimizer = c.optimizer;
   o.max_grad_norm = c.max_grad_norm;
-  o.alignment_elements = 4;
-  o.offload_optimizer = c.offload;
-  o.offload_params = c.offload_params;
-  o.ema_decay = c.ema_decay;
+  o.buckets.alignment_elements = 4;
+  o.offload.optimizer = c.offload;
+  o.offload.params = c.offload_params;
+  o.ema.decay = c.ema_decay;
   return o;
 }
 

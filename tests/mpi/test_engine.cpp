@@ -116,19 +116,19 @@ TEST_CASE("the delayed update is refused without offload, with offload_params or
   auto backend = make_host_backend();
   EngineOptions o;
   o.stage = 2;
-  o.offload_delayed_update = true;
+  o.offload.delayed_update = true;
   CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend),
                        doctest::Contains("offload_delayed_update needs offload_optimizer"), InvalidArgument);
-  o.offload_optimizer = true;
+  o.offload.optimizer = true;
   o.accumulation_steps = 2;
   CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("accumulation_steps 2"),
                        InvalidArgument);
   o.accumulation_steps = 1;
   o.stage = 3;
-  o.offload_params = true;
+  o.offload.params = true;
   CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("offload_params"), InvalidArgument);
-  o.delayed_update_warmup_steps = -1;
-  o.offload_params = false;
+  o.offload.delayed_update_warmup_steps = -1;
+  o.offload.params = false;
   CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("delayed_update_warmup_steps"),
                        InvalidArgument);
 }

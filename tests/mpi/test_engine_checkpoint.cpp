@@ -25,12 +25,12 @@ std::vector<std::vector<ParamSpec>> units() {
 
 EngineOptions options(int stage, DType dtype, bool offload = false) {
   EngineOptions o;
-  o.offload_optimizer = offload;
+  o.offload.optimizer = offload;
   o.stage = stage;
   o.param_dtype = dtype;
-  o.alignment_elements = 8;
+  o.buckets.alignment_elements = 8;
   o.optimizer.lr = 1e-2;
-  o.ema_decay = 0.9;
+  o.ema.decay = 0.9;
   return o;
 }
 
@@ -168,7 +168,7 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       // N -> N-1, saved at one stage and alignment, resumed at another.
       EngineOptions big_options = options(stage, dtype);
       EngineOptions small_options = options(3 - stage + 1, dtype);  // 1 <-> 3
-      small_options.alignment_elements = 4;
+      small_options.buckets.alignment_elements = 4;
       Engine big(units(), big_options, comm, *backend);
       init(big);
       for (int s = 0; s < 3; ++s) train_step(big, s, comm.rank());

@@ -64,7 +64,7 @@ TEST_CASE("per-rank memory equals the ZeRO formula at every stage") {
           const std::size_t psi = engine.layout().param_numel();
           const std::size_t padded = engine.layout().padded_numel();
           // Stated padding: at most one aligned slot per rank per parameter and bucket.
-          CHECK(padded - psi <= (engine.layout().params().size() + engine.unit_count()) * n * o.alignment_elements);
+          CHECK(padded - psi <= (engine.layout().params().size() + engine.unit_count()) * n * o.buckets.alignment_elements);
           const MemoryByCategory m = engine.memory();
           const MemoryByCategory f = engine.predicted_model_state();
           CHECK(m.params == f.params);
@@ -117,9 +117,9 @@ TEST_CASE("offloaded optimizer: the state moves to host memory, by the formula")
       EngineOptions o;
       o.stage = k.stage;
       o.param_dtype = dtype;
-      o.ema_decay = 0.99;
-      o.offload_optimizer = true;
-      o.offload_params = k.offload_params;
+      o.ema.decay = 0.99;
+      o.offload.optimizer = true;
+      o.offload.params = k.offload_params;
       o.accumulation_steps = k.accumulation_steps;
       Engine engine(awkward_units(), o, comm, *backend);
       const std::size_t padded = engine.layout().padded_numel(), p = size_of(dtype), shard = padded / n;
@@ -150,7 +150,7 @@ TEST_CASE("offloaded optimizer: the state moves to host memory, by the formula")
       CHECK(engine.host_memory().total() == host.total());
       if (k.stage >= 2) CHECK(engine.memory().buffers > 0);  // blocks kept for reuse
       // The same without the block cache: nothing transient outlives its use.
-      o.buffer_cache_bytes = 0;
+      o.buckets.cache_bytes = 0;
       Engine uncached(awkward_units(), o, comm, *backend);
       run_one_step(uncached);
       CHECK(uncached.memory().buffers == 0);

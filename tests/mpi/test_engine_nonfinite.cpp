@@ -27,9 +27,9 @@ EngineOptions options(int stage, DType dtype, int max_consecutive_nonfinite) {
   EngineOptions o;
   o.stage = stage;
   o.param_dtype = dtype;
-  o.alignment_elements = 8;
+  o.buckets.alignment_elements = 8;
   o.optimizer.lr = 1e-2;
-  o.ema_decay = 0.9;
+  o.ema.decay = 0.9;
   o.max_grad_norm = 1.0;
   o.max_consecutive_nonfinite = max_consecutive_nonfinite;
   return o;

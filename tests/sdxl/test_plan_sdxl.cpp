@@ -22,7 +22,7 @@ plan::PlanInput sdxl_trainer(int stage, int batch) {
   // examples/sdxl/configs/sdxl-1024.toml as run: bf16, AdamW, EMA, checkpointing, N=1, 9 units.
   EngineOptions options;  // the trainer's: AdamW, bf16, 128-element alignment, 2 reductions in flight
   options.stage = stage;
-  options.ema_decay = 0.9999;
+  options.ema.decay = 0.9999;
   plan::PlanInput in = plan::input_from_engine_options(options, 1);
   in.units = sdxl::plan_units(sdxl::UNetConfig::sdxl_base());
   in.model_name = "sdxl-base";

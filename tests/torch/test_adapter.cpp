@@ -80,7 +80,7 @@ Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& co
   EngineOptions options;
   options.stage = stage;
   options.param_dtype = dtype;
-  options.alignment_elements = 4;
+  options.buckets.alignment_elements = 4;
   options.optimizer.lr = kLr;
   options.optimizer.weight_decay = kDecay;
   ShardedModel model(adapter::units_by_child(*net), options, comm, backend);
@@ -177,7 +177,7 @@ TEST_CASE("bind_gradients_to_engine refuses what has no full gradient buffer, na
   auto backend = make_host_backend();
   auto attempt = [&](EngineOptions options) {
     Net net = make_net();
-    options.alignment_elements = 4;
+    options.buckets.alignment_elements = 4;
     ShardedModel model(adapter::units_by_child(*net), options, comm, *backend);
     model.bind_gradients_to_engine();
   };

@@ -187,33 +187,32 @@ TEST_CASE("launch environment discovery: Open MPI, Slurm, torchrun, PMI; bad val
 TEST_CASE("memory model is the ZeRO formula: (2+2+12)Psi/N at stage 3 with bf16 and AdamW") {
   const std::size_t psi = 2520 * 1024;
   for (int n = 1; n <= 8; ++n) {
-    ModelStateConfig c{.numel = psi, .world_size = n};
+    EngineOptions c;
     c.stage = 3;
-    MemoryByCategory m = model_state_bytes(c);
+    MemoryByCategory m = model_state_bytes(c, psi, n);
     CHECK(m.params == 2 * psi / n);
     CHECK(m.grads == 2 * psi / n);
     CHECK(m.master == 4 * psi / n);
     CHECK(m.optimizer_state == 8 * psi / n);
     CHECK(m.model_state() == 16 * psi / n);
     c.stage = 2;
-    m = model_state_bytes(c);
+    m = model_state_bytes(c, psi, n);
     CHECK(m.model_state() == 2 * psi + (2 + 12) * psi / n);
     c.stage = 1;
-    m = model_state_bytes(c);
+    m = model_state_bytes(c, psi, n);
     CHECK(m.model_state() == 4 * psi + 12 * psi / n);
     c.stage = 0;
-    m = model_state_bytes(c);
+    m = model_state_bytes(c, psi, n);
     CHECK(m.model_state() == 16 * psi);
   }
   // fp32 model: no separate master; SGD without momentum: no state.
-  ModelStateConfig fp32{.numel = 1024, .world_size = 4, .stage = 3, .param_dtype = DType::fp32,
-                        .grad_dtype = DType::fp32};
+  EngineOptions fp32{.stage = 3, .param_dtype = DType::fp32, .grad_dtype = DType::fp32};
   fp32.optimizer.kind = OptimizerKind::sgd;
-  const MemoryByCategory m = model_state_bytes(fp32);
+  const MemoryByCategory m = model_state_bytes(fp32, 1024, 4);
   CHECK(m.master == 0);
   CHECK(m.optimizer_state == 0);
   CHECK(m.params == 1024);
-  CHECK_THROWS_AS(model_state_bytes({.numel = 10, .world_size = 4}), InvalidArgument);
+  CHECK_THROWS_AS(model_state_bytes(EngineOptions{}, 10, 4), InvalidArgument);
   CHECK(format_bytes(3u << 30) == "3.00 GiB");
 }
 

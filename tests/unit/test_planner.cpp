@@ -8,6 +8,7 @@
 #include "zero/core/layout.hpp"
 #include "zero/engine/memory_model.hpp"
 #include "zero/engine/planner.hpp"
+#include "sdxl_calibration.hpp"  // examples/sdxl: the planner's constants for the SDXL UNet
 
 using namespace zero;
 using zero::plan::kGiB;
@@ -26,22 +27,11 @@ plan::PlanInput sdxl_input() {
   plan::PlanInput in;
   in.units = sdxl_units();
   in.model_name = "sdxl-base";
-  in.activations = plan::ActivationModel::sdxl_unet();
-  in.ema = true;
+  in.activations = sdxl::calibration::activation_model();
+  in.runtime_overhead_bytes = sdxl::calibration::runtime_overhead_bytes();
+  in.speed = sdxl::calibration::speed_model();
+  in.engine.ema.decay = 0.9999;
   return in;
-}
-
-ModelStateConfig state_config(const plan::PlanInput& in, std::size_t padded) {
-  return {.numel = padded,
-          .world_size = in.world_size,
-          .stage = in.stage,
-          .param_dtype = in.param_dtype,
-          .grad_dtype = in.effective_grad_dtype(),
-          .optimizer = in.optimizer,
-          .accumulation = in.accumulation,
-          .accumulation_steps = in.accumulation_steps,
-          .ema = in.ema,
-          .offload_optimizer = in.offload_optimizer};
 }
 
 }  // namespace
@@ -54,9 +44,9 @@ TEST_CASE("plan: model state is model_state_bytes of the padded layout, at every
           if (offload && stage == 0) continue;
           plan::PlanInput in = sdxl_input();
           in.world_size = world;
-          in.stage = stage;
-          in.param_dtype = dtype;
-          in.offload_optimizer = offload;
+          in.engine.stage = stage;
+          in.engine.param_dtype = dtype;
+          in.engine.offload.optimizer = offload;
           const plan::Plan p = plan::make_plan(in);
           CAPTURE(world);
           CAPTURE(stage);
@@ -68,8 +58,8 @@ TEST_CASE("plan: model state is model_state_bytes of the padded layout, at every
               FlatLayout::build_grouped(groups, {.world_size = world, .alignment = 128, .bucket_elements = 1});
           CHECK(p.padded_numel == layout.padded_numel());
           CHECK(p.padded_numel % (static_cast<std::size_t>(world) * 128) == 0);
-          const MemoryByCategory device = model_state_bytes(state_config(in, p.padded_numel));
-          const MemoryByCategory host = host_model_state_bytes(state_config(in, p.padded_numel));
+          const MemoryByCategory device = model_state_bytes(in.engine, p.padded_numel, in.world_size);
+          const MemoryByCategory host = host_model_state_bytes(in.engine, p.padded_numel, in.world_size);
           CHECK(p.model_state.params == device.params);
           CHECK(p.model_state.grads == device.grads);
           CHECK(p.model_state.master == device.master);
@@ -91,11 +81,11 @@ TEST_CASE("plan: model state is model_state_bytes of the padded layout, at every
 
 TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus staging") {
   plan::PlanInput in = sdxl_input();
-  in.stage = 2;
+  in.engine.stage = 2;
   in.world_size = 4;
   in.gpus_per_host = 4;
   const plan::Plan on_gpu = plan::make_plan(in);
-  in.offload_optimizer = true;
+  in.engine.offload.optimizer = true;
   const plan::Plan offloaded = plan::make_plan(in);
   CHECK(offloaded.model_state.master == 0);
   CHECK(offloaded.model_state.optimizer_state == 0);
@@ -124,12 +114,12 @@ TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus
 
 TEST_CASE("plan: the delayed update doubles the host staging, leaves the GPU as is, and overlaps the CPU in time") {
   plan::PlanInput in = sdxl_input();
-  in.stage = 2;
+  in.engine.stage = 2;
   in.batch = 8;
   in.activation_checkpointing = true;
-  in.offload_optimizer = true;
+  in.engine.offload.optimizer = true;
   const plan::Plan sync = plan::make_plan(in);
-  in.offload_delayed_update = true;
+  in.engine.offload.delayed_update = true;
   const plan::Plan delayed = plan::make_plan(in);
   CHECK(delayed.host_state.buffers == 2 * sync.host_state.buffers);
   CHECK(delayed.host_state.master == sync.host_state.master);
@@ -137,20 +127,20 @@ TEST_CASE("plan: the delayed update doubles the host staging, leaves the GPU as 
   CHECK(delayed.relative_time() < sync.relative_time());
   CHECK(delayed.label().find("delayed update") != std::string::npos);
   CHECK(nlohmann::json::parse(delayed.to_json())["config"]["offload_delayed_update"].get<bool>());
-  in.offload_optimizer = false;
+  in.engine.offload.optimizer = false;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_delayed_update needs offload_optimizer"),
                        InvalidArgument);
 }
 
 TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffers on the GPU") {
   plan::PlanInput in = sdxl_input();
-  in.stage = 3;
+  in.engine.stage = 3;
   in.world_size = 2;
   in.gpus_per_host = 2;
   in.activation_checkpointing = true;
-  in.offload_optimizer = true;
+  in.engine.offload.optimizer = true;
   const plan::Plan optimizer_only = plan::make_plan(in);
-  in.offload_params = true;
+  in.engine.offload.params = true;
   const plan::Plan both = plan::make_plan(in);
   const std::size_t shard = both.padded_numel / 2;
   CHECK(optimizer_only.model_state.params == shard * 2);
@@ -163,20 +153,20 @@ TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffer
   CHECK(both.label().find("offload (optimizer + params)") != std::string::npos);
   CHECK(both.table().find("params (shards)") != std::string::npos);
   CHECK(nlohmann::json::parse(both.to_json())["config"]["offload_params"].get<bool>());
-  in.stage = 2;
+  in.engine.stage = 2;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_params needs stage 3 with offload_optimizer"),
                        InvalidArgument);
 }
 
 TEST_CASE("fit: SDXL at N=1, batch 1 under 12 GiB offloads the parameters as well") {
   plan::PlanInput in = sdxl_input();
-  in.buffer_cache_bytes = 0;  // what the trainer sets when the default cache would not fit
+  in.engine.buckets.cache_bytes = 0;  // what the trainer sets when the default cache would not fit
   const plan::FitResult r = plan::fit(in, 12 * kGiB);
   if (!r.best) MESSAGE(r.table());
   REQUIRE(r.best.has_value());
-  CHECK(r.best->input.stage == 3);
-  CHECK(r.best->input.offload_optimizer);
-  CHECK(r.best->input.offload_params);
+  CHECK(r.best->input.engine.stage == 3);
+  CHECK(r.best->input.engine.offload.optimizer);
+  CHECK(r.best->input.engine.offload.params);
   CHECK(r.best->input.activation_checkpointing);
   CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 12 * kGiB));
 }
@@ -186,42 +176,42 @@ TEST_CASE("plan: engine buffers follow the engine's rules") {
   in.activation_checkpointing = true;
   const std::size_t largest = plan::make_plan(in).largest_unit_elements;
   for (int stage : {0, 1}) {  // backward writes into the full gradient buffer: nothing transient
-    in.stage = stage;
+    in.engine.stage = stage;
     CHECK(plan::make_plan(in).engine.peak() == 0);
   }
-  in.stage = 2;
+  in.engine.stage = 2;
   const plan::Plan two = plan::make_plan(in);
   CHECK(two.engine.gathered_units == 0);
   CHECK(two.engine.bucket_buffers > 0);
   // Up to max_reductions_in_flight buckets in flight plus the one being written.
   CHECK(two.engine.bucket_buffers <= 3 * largest * 2);
   CHECK(two.engine.at_step_end <= 2 * largest * 2);  // the cache's limit
-  in.stage = 3;
+  in.engine.stage = 3;
   const plan::Plan three = plan::make_plan(in);
   CHECK(three.engine.gathered_units > 0);
   CHECK(three.engine.gathered_units <= 2 * largest * 2);  // a unit and its prefetch
   CHECK(three.engine.at_step_end <= 2 * largest * 2);
   CHECK(three.engine.at_step_end >= two.engine.at_step_end);
   // Without the block cache nothing is held between steps and the peak is lower.
-  in.buffer_cache_bytes = 0;
+  in.engine.buckets.cache_bytes = 0;
   const plan::Plan uncached = plan::make_plan(in);
   CHECK(uncached.engine.at_step_end == 0);
   CHECK(uncached.engine.cached_blocks == 0);
   CHECK(uncached.engine.peak() < three.engine.peak());
-  in.buffer_cache_bytes.reset();
+  in.engine.buckets.cache_bytes.reset();
   // Fewer reductions in flight, fewer bucket buffers.
-  in.max_reductions_in_flight = 1;
+  in.engine.buckets.max_reductions_in_flight = 1;
   CHECK(plan::make_plan(in).engine.bucket_buffers < three.engine.bucket_buffers);
   // Accumulating to the boundary at stage 2 writes into a full buffer instead.
-  in.stage = 2;
-  in.max_reductions_in_flight = 2;
-  in.accumulation_steps = 4;
-  in.accumulation = GradAccumulation::reduce_at_boundary;
+  in.engine.stage = 2;
+  in.engine.buckets.max_reductions_in_flight = 2;
+  in.engine.accumulation_steps = 4;
+  in.engine.accumulation = GradAccumulation::reduce_at_boundary;
   const plan::Plan boundary = plan::make_plan(in);
   CHECK(boundary.engine.bucket_buffers == 0);
   CHECK(boundary.model_state.grads == two.model_state.grads * 2);  // full buffer + sharded accumulator at N=1
   // fp32 reductions of half gradients need scratch for the largest bucket.
-  in.accumulation_steps = 1;
+  in.engine.accumulation_steps = 1;
   in.fp32_accumulate_reductions = true;
   CHECK(plan::make_plan(in).engine.comm_scratch == (largest + largest) * 4);
 }
@@ -229,10 +219,10 @@ TEST_CASE("plan: engine buffers follow the engine's rules") {
 TEST_CASE("plan: a bare parameter count is grouped into buckets of bucket_bytes") {
   plan::PlanInput in;
   in.param_count = 1000000007;
-  in.bucket_bytes = std::size_t{64} << 20;
+  in.engine.buckets.bytes = std::size_t{64} << 20;
   in.world_size = 8;
-  in.stage = 3;
-  in.activations = plan::ActivationModel::scaled_from_sdxl(in.param_count);
+  in.engine.stage = 3;
+  in.activations = sdxl::calibration::scaled_activation_model(in.param_count);
   const plan::Plan p = plan::make_plan(in);
   CHECK(p.input.param_count == 1000000007);
   CHECK(p.unit_count == (1000000007 + (32 << 20) - 1) / (32 << 20));
@@ -242,7 +232,7 @@ TEST_CASE("plan: a bare parameter count is grouped into buckets of bucket_bytes"
 }
 
 TEST_CASE("plan: activations scale with batch, latent area and precision") {
-  const plan::ActivationModel m = plan::ActivationModel::sdxl_unet();
+  const plan::ActivationModel m = sdxl::calibration::activation_model();
   // No fixed part with checkpointing (rounding to whole bytes aside).
   CHECK(m.bytes(8, true, 2) == doctest::Approx(8.0 * static_cast<double>(m.bytes(1, true, 2))).epsilon(1e-9));
   CHECK(m.bytes(1, false, 2) > m.bytes(1, true, 2));
@@ -254,10 +244,10 @@ TEST_CASE("plan: activations scale with batch, latent area and precision") {
 
 TEST_CASE("plan: input errors name the field") {
   plan::PlanInput in = sdxl_input();
-  in.stage = 4;
+  in.engine.stage = 4;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("stage must be 0, 1, 2 or 3"), InvalidArgument);
-  in.stage = 0;
-  in.offload_optimizer = true;
+  in.engine.stage = 0;
+  in.engine.offload.optimizer = true;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_optimizer needs stage 1"), InvalidArgument);
   in = sdxl_input();
   in.batch = 0;
@@ -269,8 +259,8 @@ TEST_CASE("plan: input errors name the field") {
 TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
   const plan::FitResult r = plan::fit(sdxl_input(), 24 * kGiB);
   REQUIRE(r.best.has_value());
-  CHECK(r.best->input.offload_optimizer);
-  CHECK(r.best->input.stage >= 1);
+  CHECK(r.best->input.engine.offload.optimizer);
+  CHECK(r.best->input.engine.stage >= 1);
   CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 24 * kGiB));
   CHECK(r.candidates.size() == 16);  // 4 stages x checkpointing x offload (none at stage 0), + stage 3 with params offloaded
   for (std::size_t i = 1; i < r.candidates.size(); ++i)
@@ -292,14 +282,14 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
   b8.batch = 8;
   const plan::FitResult r8 = plan::fit(b8, 40 * kGiB);
   REQUIRE(r8.best.has_value());
-  CHECK(r8.best->input.offload_optimizer);
+  CHECK(r8.best->input.engine.offload.optimizer);
   CHECK(r8.best->input.activation_checkpointing);
 
   // 80 GiB: the fastest, stage 0 without checkpointing (55.9 GiB), no offload.
   const plan::FitResult big = plan::fit(sdxl_input(), 80 * kGiB);
   REQUIRE(big.best.has_value());
-  CHECK(!big.best->input.offload_optimizer);
-  CHECK(big.best->input.stage == 0);
+  CHECK(!big.best->input.engine.offload.optimizer);
+  CHECK(big.best->input.engine.stage == 0);
 }
 
 TEST_CASE("fit: nothing fits 4 GiB; the message says so and what would") {
@@ -322,7 +312,7 @@ TEST_CASE("fit: nothing fits 4 GiB; the message says so and what would") {
 
 TEST_CASE("check_fits: nullopt when it fits, else the prediction and fit's proposal") {
   plan::PlanInput in = sdxl_input();
-  in.stage = 2;
+  in.engine.stage = 2;
   in.activation_checkpointing = true;
   const plan::Plan p = plan::make_plan(in);
   CHECK(!plan::check_fits(p, 141 * kGiB).has_value());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -74,6 +75,26 @@ class Backend {
   };
   virtual GradStats grad_stats(const Span* spans, std::size_t span_count, DType dtype,
                                Stream stream) = 0;
+
+  // Host kernels: work on allocate_host() memory (offloaded master, state,
+  // EMA, staging), run by the calling CPU thread. Every backend computes
+  // them with the CPU kernels; a backend that only counts bytes (the
+  // planner's) makes them no-ops, since its host "memory" is not real.
+  virtual void host_fill_zero(void* data, std::size_t bytes) { std::memset(data, 0, bytes); }
+  virtual void host_copy(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+  virtual GradStats host_grad_stats(const void* data, std::size_t count, DType dtype) {
+    return cpu_grad_stats(data, count, dtype);
+  }
+  virtual void host_optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
+                                   const ShardUpdate& update) {
+    cpu_optimizer_step(options, scalars, update, CpuKernel::vectorized);
+  }
+  virtual void host_ema_update(float* ema, const float* weights, std::size_t count, double decay) {
+    cpu_ema_update(ema, weights, count, decay);
+  }
+  virtual void host_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count) {
+    cpu_convert(src, src_dtype, dst, dst_dtype, count);
+  }
 };
 
 /// CPU memory, CPU kernels (vectorized and multi-threaded, or the plain

@@ -33,90 +33,25 @@
 #include "zero/core/layout.hpp"
 #include "zero/engine/backend.hpp"
 #include "zero/engine/memory_model.hpp"
+#include "zero/engine/options.hpp"
+#include "zero/engine/stage_plan.hpp"
 #include "zero/optim/loss_scaler.hpp"
 #include "zero/optim/optimizer.hpp"
 
 namespace zero {
 
-struct EngineOptions {
-  int stage = 2;
-  /// Parameters as the model computes with them. fp32 needs no master copy.
-  DType param_dtype = DType::bf16;
-  /// Gradients as backward writes and the collectives reduce them; defaults
-  /// to param_dtype.
-  std::optional<DType> grad_dtype;
-  /// Target bucket size when parameters are grouped automatically.
-  std::size_t bucket_bytes = std::size_t{32} << 20;
-  /// Every parameter and every rank's bucket slice starts at a multiple of
-  /// this many elements.
-  std::size_t alignment_elements = 128;
-  int accumulation_steps = 1;
-  GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
-  /// Global-norm clipping threshold; 0 disables clipping.
-  double max_grad_norm = 0;
-  OptimizerOptions optimizer{};
-  /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
-  std::optional<bool> loss_scaling;
-  LossScalerOptions loss_scaler{};
-  /// Exponential moving average of the weights (fp32, sharded like the
-  /// master weights); 0 disables it. Updated after every applied step.
-  double ema_decay = 0;
-  /// Ramp the EMA decay as min(decay, (1 + t) / (10 + t)) at step t, so early
-  /// weights do not dominate (the convention of diffusers' EMAModel).
-  bool ema_warmup = true;
-  /// Bucket reductions allowed in flight before the oldest is waited for:
-  /// overlap against memory for bucket buffers and communicator scratch.
-  int max_reductions_in_flight = 2;
-  /// Free transient blocks (gradient buckets, scratch, stage-3 unit buffers)
-  /// kept for reuse, in bytes; default: two of the largest bucket. 0 frees
-  /// each block when it is given back: the least memory, but every free
-  /// then waits for the device.
-  std::optional<std::size_t> buffer_cache_bytes;
-  /// Steps with non-finite gradients in a row before step() throws (0 = never).
-  /// Each such step is skipped and counted either way.
-  int max_consecutive_nonfinite = 0;
-  /// ZeRO-Offload (stages 1-3): this rank's fp32 master weights, optimizer
-  /// state and EMA live in pinned host memory. At step() the reduced
-  /// gradient shard is copied down bucket by bucket, the CPU optimizer
-  /// (vectorized, multi-threaded; bit-identical to the device kernels)
-  /// updates it, and the new model-dtype values go back up and are
-  /// all-gathered, each bucket's copies overlapping the next one's update.
-  bool offload_optimizer = false;
-  /// Parameter offload (stage 3, with offload_optimizer): this rank's
-  /// model-dtype parameter shard lives in pinned host memory too. Gathering a
-  /// unit copies the rank's slice up and all-gathers it in place; the CPU
-  /// optimizer writes the updated shard where it lives, so nothing goes back
-  /// up after a step. On the device only the gathered units stay.
-  bool offload_params = false;
-  /// Delayed parameter update (ZeRO-Offload's DPU; offload_optimizer with
-  /// one micro-step per step, not offload_params): step() computes the
-  /// gradient statistics (so clipping, loss scaling and skipping are decided
-  /// at once), then runs the CPU update on a background thread while the
-  /// next forward and backward run on the device with the parameters from
-  /// before it. The update is joined and its parameters go up at the next
-  /// step(): forward at step t+1 sees the update of step t-1, not t (the
-  /// parameters lag one step; master weights, state and EMA are exact).
-  /// Anything that reads or writes the state (save_state, load_state,
-  /// set_param, gather_*) first completes the pending update and uploads it.
-  /// Host memory: one more gradient and one more parameter staging shard.
-  bool offload_delayed_update = false;
-  /// With offload_delayed_update: the first this-many applied steps update
-  /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).
-  int delayed_update_warmup_steps = 0;
-
-  DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
-  /// With the optimizer offloaded and one micro-step per step, each bucket's
-  /// reduced gradient is copied to host memory as soon as its reduction
-  /// completes (while backward goes on), and stages 2-3 keep no gradient
-  /// shard on the device.
-  bool streams_gradients_to_host() const { return offload_optimizer && accumulation_steps == 1; }
-  bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
-  void validate() const;
+/// Transient device memory of the engine (gradient buckets, scratch, stage-3
+/// unit buffers, cached free blocks): at the moment it was highest, and now.
+struct TransientMemory {
+  std::size_t gathered_units_at_peak = 0;
+  std::size_t bucket_buffers_at_peak = 0;
+  std::size_t cached_blocks_at_peak = 0;
+  std::size_t now = 0;
+  std::size_t peak() const { return gathered_units_at_peak + bucket_buffers_at_peak + cached_blocks_at_peak; }
 };
 
-/// The memory model's description of an engine with these options over
-/// padded_numel elements (a multiple of world_size) on world_size ranks.
-ModelStateConfig model_state_config(const EngineOptions& options, std::size_t padded_numel, int world_size);
+/// Which pass of a micro-step a model is in (the unit schedule).
+enum class Pass { forward, backward };
 
 struct StepResult {
   bool applied = false;      // false: skipped for non-finite gradients
@@ -148,6 +83,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   const EngineOptions& options() const { return options_; }
+  /// What the stage and options mean for the buffers (computed once).
+  const StagePlan& plan() const;
   const FlatLayout& layout() const { return layout_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -170,6 +107,16 @@ class Engine {
   void prefetch_unit(std::size_t unit);
   void release_unit(std::size_t unit);
   bool unit_gathered(std::size_t unit) const;
+
+  // ------------------------------------------------------------ unit schedule
+  // The order in which a model gathers units: the adapter (zero::torch) and
+  // the planner both follow it, so what the planner counts is what runs.
+  /// The unit to prefetch once `unit` is gathered in `pass` (stage 3; none
+  /// for a unit whose forward is recomputed in backward, nor past the ends).
+  std::optional<std::size_t> unit_to_prefetch(std::size_t unit, Pass pass, bool recomputed) const;
+  /// gather_unit(unit), then prefetch_unit of unit_to_prefetch(...), if any.
+  /// Leave the unit with release_unit.
+  void enter_unit(std::size_t unit, Pass pass, bool recomputed);
 
   // ------------------------------------------------------------ gradients
   /// Where this micro-step's gradient of `param` is to be added (grad dtype,
@@ -233,12 +180,18 @@ class Engine {
   MemoryByCategory host_memory() const;
   /// The memory model's prediction of host_memory().
   MemoryByCategory predicted_host_state() const;
+  /// Transient device memory now and at its highest (the planner's engine buffers).
+  TransientMemory transient_memory() const;
+
+ /// The engine's buffers and bookkeeping (src/engine/engine_impl.hpp): opaque
+  /// here, shared by the engine's source files and its updaters.
+  struct Impl;
 
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
   void restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json, const std::string& path);
   std::vector<std::vector<float>> gather_fp32_slices(const std::function<const float*(std::size_t)>& slice);
+  GradStats local_grad_stats(StepResult& result);
   Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend);
 
   EngineOptions options_;
@@ -252,31 +205,5 @@ class Engine {
   double lr_ = 0;
   DynamicLossScaler scaler_;
 };
-
-namespace io {
-class SafeTensorsFile;
-}
-
-/// What Engine::save_state records in a shard file's "zero.engine" metadata.
-struct SavedShard {
-  int rank = 0;
-  int world_size = 1;
-  int stage = 0;
-  std::int64_t step = 0;
-  std::string param_dtype;  // fp32, bf16, fp16
-  std::string optimizer;    // adamw, sgd, lion
-  int state_slots = 0;
-  double loss_scale = 1;
-  /// The saved placement rebuilt: parameters in order (with their shapes
-  /// where the writer recorded them), buckets, world size and alignment.
-  FlatLayout layout;
-  /// The layout as recorded (canonical JSON text): equal text, same placement.
-  std::string layout_text;
-};
-
-/// Reads and checks the metadata of a file written by Engine::save_state:
-/// every key present with its type, and a layout that rebuilds to the padded
-/// size recorded. Throws zero::IoError naming the file and the key.
-SavedShard read_saved_shard(const io::SafeTensorsFile& file);
 
 }  // namespace zero

@@ -3,21 +3,23 @@
 // configuration that fits a memory budget.
 //
 //   GPU  = runtime overhead (CUDA context, cuBLAS/cuDNN/NCCL workspaces,
-//          allocator slack)
-//        + model state       (model_state_bytes: params, grads, master,
-//                             optimizer state, EMA)
-//        + engine buffers    (simulated from the engine's allocation rules:
-//                             bucket gradient buffers, stage-3 gathered
-//                             units, the cache of free blocks, communicator
-//                             scratch)
+//          allocator slack: given)
+//        + model state       (what the engine allocates at construction)
+//        + engine buffers    (the engine's own transient peak over two
+//                             steps: bucket gradient buffers, stage-3
+//                             gathered units, the cache of free blocks;
+//                             plus communicator scratch)
 //        + activations       (fixed + per-sample bytes, with or without
-//                             activation checkpointing, scaled by latent area)
-//   host = host_model_state_bytes per rank (pinned master, optimizer state,
-//          EMA and the transfer buffers of offload_optimizer) x ranks per host
+//                             activation checkpointing, scaled by latent area:
+//                             given)
+//   host = the engine's pinned host memory per rank (master, optimizer state,
+//          EMA and the staging buffers of offload) x ranks per host
 //
-// The activation model and the runtime overhead are calibrated on the SDXL
-// UNet on one H200 (docs/planner.md lists which run sets which constant and
-// the error on every recorded run).
+// The engine part is exact: the planner runs the real Engine on a
+// CountingBackend with a SimulatedCommunicator. The library is
+// model-agnostic: the activation model, the runtime overhead and the speed
+// model are inputs: a model's measured constants live with the model (the
+// example trainer's calibration; docs/planner.md).
 #pragma once
 
 #include <cstddef>
@@ -27,11 +29,7 @@
 
 #include "zero/core/dtype.hpp"
 #include "zero/engine/memory_model.hpp"
-#include "zero/optim/optimizer.hpp"
-
-namespace zero {
-struct EngineOptions;
-}
+#include "zero/engine/options.hpp"
 
 namespace zero::plan {
 
@@ -48,7 +46,7 @@ struct ActivationModel {
   double per_sample_bytes_checkpointed = 0;
   double fixed_bytes_full = 0;  // without activation checkpointing
   double per_sample_bytes_full = 0;
-  /// Latent h*w relative to the calibration's (128 x 128 for SDXL at 1024 px).
+  /// Latent h*w relative to the one the constants were measured at.
   double area_scale = 1.0;
   /// Precision the constants were measured in (bf16); fp32 doubles them.
   std::size_t reference_dtype_bytes = 2;
@@ -56,19 +54,9 @@ struct ActivationModel {
   /// "extrapolated from ...", "given").
   std::string source = "none";
 
-  /// The full SDXL UNet (2,567,463,684 parameters), bf16, 128x128 latents,
-  /// calibrated on one H200 (docs/planner.md).
-  static ActivationModel sdxl_unet();
-  /// sdxl_unet() scaled by parameter count, for other models of the UNet
-  /// family: a rough extrapolation, marked as such.
-  static ActivationModel scaled_from_sdxl(std::size_t param_count);
   /// Bytes for one micro-step of `batch` samples in a precision of dtype_bytes.
   std::size_t bytes(int batch, bool checkpointing, std::size_t dtype_bytes) const;
 };
-
-/// CUDA context + cuBLAS/cuDNN workspaces + NCCL + allocator slack of one
-/// trainer process on one GPU, calibrated on the H200 runs.
-std::size_t calibrated_runtime_overhead();
 
 /// One engine bucket (a stage-3 unit), by its parameter tensors' sizes in
 /// elements (one entry is fine when only the total is known; tensors matter
@@ -76,57 +64,44 @@ std::size_t calibrated_runtime_overhead();
 struct PlanUnit {
   std::string name;
   std::vector<std::size_t> tensors;
-  /// Recomputed in backward when activation checkpointing is on (the SDXL
-  /// UNet's embed and head units are not).
+  /// Recomputed in backward when activation checkpointing is on (a model
+  /// may leave small units, such as embeddings and heads, out).
   bool checkpointed = true;
   std::size_t numel() const;
 };
 
-/// The speed model's constants (relative time per sample; see docs/planner.md).
+/// The speed model: GPU time of one micro-step, and what checkpointing,
+/// stage 3 and offload add (relative time per sample; see docs/planner.md).
+/// The defaults are generic; a model's measured values are an input
+/// (the example trainer carries its model's, measured on its GPU).
 struct SpeedModel {
-  double checkpointing_factor = 1.33;   // recompute: unet_bench 1.32x at batch 8, 1.43x at batch 1
-  double stage3_gather_cost = 0.4;      // stage 3: x (1 + this / batch); measured +41% at b1, +2.5% at b8
-  /// Stages 1 and 2 per stage over stage 0: 0, their measured differences
-  /// are within 3% (N = 1) and their traffic equals stage 0's; equal times
-  /// go to the configuration with less memory.
-  double stage_step_cost = 0.0;
+  double checkpointing_factor = 4.0 / 3.0;  // recompute: one more forward (~1/3 of forward + backward)
+  double stage3_gather_cost = 0.0;          // stage 3: x (1 + this / batch)
+  double stage_step_cost = 0.0;             // stages 1-2: x (1 + this x stage)
   /// GPU time of one micro-step at stage 0 without checkpointing: fixed +
-  /// per sample, for the full SDXL UNet at 1024 px on an H200 (unet_bench:
-  /// 174 ms at batch 1, 449 ms at batch 8), scaled by parameters (both) and
-  /// latent area (per sample) for other models.
-  double gpu_seconds_per_step = 0.135;
-  double gpu_seconds_per_sample = 0.0392;
-  double cpu_elements_per_second = 3e9;   // CPU AdamW per host (16 cores, vectorized), offload
-  double pcie_bytes_per_second = 25e9;    // per GPU, offload transfers
+  /// per sample, for a model of reference_param_count parameters (scaled by
+  /// parameters, both, and latent area, per sample, for other models).
+  double gpu_seconds_per_step = 0.0;
+  double gpu_seconds_per_sample = 1.0;
+  /// Parameters of the model the times were measured on; 0: this model's own.
+  double reference_param_count = 0.0;
+  double cpu_elements_per_second = 3e9;  // CPU AdamW per host (16 cores, vectorized), offload
+  double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
 };
 
 struct PlanInput {
   /// The model: units (preferred: exact padding, stage-3 unit sizes), or a
-  /// parameter count grouped into buckets of bucket_bytes.
+  /// parameter count grouped into buckets of engine.buckets.bytes.
   std::vector<PlanUnit> units;
   std::size_t param_count = 0;
-  std::string model_name;  // for the table ("sdxl-base", "2.6e9 params")
+  std::string model_name;  // for the table ("my-unet", "2.6e9 params")
 
   int world_size = 1;
   int gpus_per_host = 8;  // ranks sharing one host's memory: min(world_size, this)
-  int stage = 2;
-  DType param_dtype = DType::bf16;
-  std::optional<DType> grad_dtype;  // defaults to param_dtype
-  OptimizerOptions optimizer{};
-  bool ema = false;
-  bool offload_optimizer = false;
-  bool offload_params = false;  // stage 3 with offload_optimizer: parameter shard in host memory
-  /// EngineOptions::offload_delayed_update: the CPU update overlaps the next
-  /// step's device work (parameters one step stale); never proposed by fit().
-  bool offload_delayed_update = false;
-  GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
-  int accumulation_steps = 1;
-  /// Bucket target when grouping a bare parameter count (ignored with units).
-  std::size_t bucket_bytes = std::size_t{32} << 20;
-  std::size_t alignment_elements = 128;
-  int max_reductions_in_flight = 2;
-  /// EngineOptions::buffer_cache_bytes (default: two of the largest bucket).
-  std::optional<std::size_t> buffer_cache_bytes;
+  /// The engine exactly as it will run (stage, dtypes, optimizer, EMA,
+  /// offload, accumulation, buckets). fit() varies stage, offload and
+  /// checkpointing and never proposes the delayed update.
+  EngineOptions engine{};
   /// NcclCommunicator with HalfReduction::fp32_accumulate: fp32 scratch for
   /// the largest bucket.
   bool fp32_accumulate_reductions = false;
@@ -134,16 +109,17 @@ struct PlanInput {
   int batch = 1;  // per GPU and micro-step
   bool activation_checkpointing = false;
   ActivationModel activations{};
-  std::size_t runtime_overhead_bytes = calibrated_runtime_overhead();
+  /// CUDA context, cuBLAS/cuDNN/NCCL workspaces and allocator slack of one
+  /// process on one GPU.
+  std::size_t runtime_overhead_bytes = 0;
   SpeedModel speed{};
 
-  DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
   /// Throws zero::InvalidArgument naming the field.
   void validate() const;
 };
 
-/// Engine buffers beyond the persistent model state, from a replay of the
-/// engine's allocation rules over two steps (steady state).
+/// Engine buffers beyond the persistent model state: the engine's transient
+/// peak over two steps (steady state), by kind at that moment.
 struct EngineBuffers {
   std::size_t gathered_units = 0;    // stage 3: live unit buffers at the peak
   std::size_t bucket_buffers = 0;    // gradient buckets and accumulation scratch live at the peak
@@ -193,12 +169,6 @@ struct Plan {
   /// Readable table, one category per line, per GPU then per host.
   std::string table() const;
 };
-
-/// A PlanInput with the engine's settings (stage, dtypes, optimizer, EMA,
-/// offload, accumulation, bucket size, alignment, reductions in flight) and
-/// world size; the caller adds the model (units or param_count), batch,
-/// activation checkpointing and the activation model.
-PlanInput input_from_engine_options(const EngineOptions& options, int world_size);
 
 /// Predicts the bytes of one configuration. Throws zero::InvalidArgument for
 /// invalid inputs (the field named).

@@ -94,7 +94,7 @@ class ShardedModel {
   // Called from autograd hooks and functions (public for them, not for users).
   void on_gradient(std::size_t param);
   void gather_for_backward(std::size_t unit);
-  void gather(std::size_t unit);
+  void gather(std::size_t unit, Pass pass, bool recomputed);
   void release(std::size_t unit);
 
  private:

@@ -5,7 +5,8 @@
 #include <cstring>
 
 #include "zero/engine/engine.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "zero/engine/engine_state.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 
 namespace zero::io {
 namespace fs = std::filesystem;

@@ -1,8 +1,8 @@
 // Checkpoint folders and their manifest. Free of MPI and of the engine (the
 // engine-aware parts live in consolidate.cpp), so that the manifest reader
 // builds alone into its fuzzer (tests/fuzz/fuzz_manifest.cpp).
-#include "error_text.hpp"
-#include "zero/io/checkpoint.hpp"
+#include "../io/error_text.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -28,13 +28,7 @@ constexpr int kMaxWorldSize = 1 << 20;
 // ---------------------------------------------------------------- messages
 
 // At most 80 bytes of a string, cut on a UTF-8 character boundary.
-std::string brief_text(std::string_view text) {
-  constexpr std::size_t kLimit = 80;
-  if (text.size() <= kLimit) return std::string(text);
-  std::size_t cut = kLimit;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xc0u) == 0x80u) --cut;
-  return std::string(text.substr(0, cut)) + "...";
-}
+using detail::brief_text;
 
 // What a value is, for "found ..." in messages. Never Json::dump() of a
 // container: a hostile manifest may nest arrays a million deep.

@@ -1,0 +1,83 @@
+// The SDXL UNet's constants for the planner (zero::plan), measured on one
+// H200: activation bytes, the runtime's overhead and the speed model.
+// libzero's planner is model-agnostic and takes these as inputs;
+// docs/planner.md lists which recorded run sets which constant and the error
+// on every run. Header-only: zero-plan, the trainer and the planner's tests
+// use it.
+//
+// One H200, LibTorch 2.11, bf16, full SDXL UNet (2,567,463,684 parameters),
+// 128x128 latents (bench/results/sdxl-train-h200.json, sdxl-unet-fwdbwd.jsonl):
+//  - per sample with checkpointing: the slope of the trainer's stage-0 peak,
+//    (67.41 - 51.54 GiB) / 7 between batch 1 and batch 8. No fixed part: the
+//    peak is the recompute of the largest block (up_blocks.0), which scales
+//    with the batch; the saved block inputs are small.
+//  - runtime overhead: the trainer's stage-0 batch-1 peak (51.54 GiB) minus
+//    the model state (47.82 GiB) minus one sample of checkpointed activations.
+//  - without checkpointing: unet_bench's peak allocated minus the bf16 weights
+//    (its peak is at the start of backward, before gradients exist): 6.61 GiB
+//    at batch 1, 51.74 GiB at batch 8 -> 0.165 GiB + 6.447 GiB per sample.
+#pragma once
+
+#include <cstddef>
+
+#include "zero/engine/planner.hpp"
+
+namespace sdxl::calibration {
+
+inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+inline constexpr double kSdxlParams = 2567463684.0;
+
+/// Activations of the full SDXL UNet, bf16, 128x128 latents.
+inline zero::plan::ActivationModel activation_model() {
+  zero::plan::ActivationModel m;
+  m.fixed_bytes_checkpointed = 0;
+  m.per_sample_bytes_checkpointed = (67.41 - 51.54) / 7.0 * kGiB;  // 2.267 GiB
+  m.fixed_bytes_full = 0.165 * kGiB;
+  m.per_sample_bytes_full = 6.447 * kGiB;
+  m.source = "calibrated: SDXL UNet, H200";
+  return m;
+}
+
+/// activation_model() scaled by parameter count, for other models of the
+/// UNet family: a rough extrapolation, marked as such.
+inline zero::plan::ActivationModel scaled_activation_model(std::size_t param_count) {
+  zero::plan::ActivationModel m = activation_model();
+  const double ratio = static_cast<double>(param_count) / kSdxlParams;
+  m.fixed_bytes_checkpointed *= ratio;
+  m.per_sample_bytes_checkpointed *= ratio;
+  m.fixed_bytes_full *= ratio;
+  m.per_sample_bytes_full *= ratio;
+  m.source = "extrapolated from SDXL by parameter count (rough)";
+  return m;
+}
+
+/// CUDA context + cuBLAS/cuDNN workspaces + NCCL + allocator slack of one
+/// trainer process on one H200.
+inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.453 * kGiB); }
+
+/// The speed model of the SDXL UNet at 1024 px on an H200 (unet_bench: 174 ms
+/// at batch 1, 449 ms at batch 8, stage 0 without checkpointing).
+inline zero::plan::SpeedModel speed_model() {
+  zero::plan::SpeedModel s;
+  s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8, 1.43x at batch 1
+  s.stage3_gather_cost = 0.4;     // measured +41% at batch 1, +2.5% at batch 8
+  // Stages 1 and 2: their measured differences to stage 0 are within 3%
+  // (N = 1) and their traffic equals stage 0's; equal times go to the
+  // configuration with less memory.
+  s.stage_step_cost = 0.0;
+  s.gpu_seconds_per_step = 0.135;
+  s.gpu_seconds_per_sample = 0.0392;
+  s.reference_param_count = kSdxlParams;
+  return s;
+}
+
+/// A plan input's model-dependent constants set to the SDXL UNet's (scaled
+/// by parameters when the model is another size).
+inline void apply(zero::plan::PlanInput& in, std::size_t param_count) {
+  in.activations = param_count == static_cast<std::size_t>(kSdxlParams) ? activation_model()
+                                                                          : scaled_activation_model(param_count);
+  in.runtime_overhead_bytes = runtime_overhead_bytes();
+  in.speed = speed_model();
+}
+
+}  // namespace sdxl::calibration

@@ -1,0 +1,114 @@
+// EngineOptions: what a user chooses, grouped by concern (buckets, EMA,
+// offload), validated once. The engine, the memory model and the planner all
+// take these options; none copies them into a struct of its own. What the
+// options mean for the buffers (full or sharded, device or host, where a
+// reduction lands) is derived once, in StagePlan (stage_plan.hpp).
+#pragma once
+
+#include <cstddef>
+#include <optional>
+
+#include "zero/core/dtype.hpp"
+#include "zero/optim/loss_scaler.hpp"
+#include "zero/optim/optimizer.hpp"
+
+namespace zero {
+
+enum class GradAccumulation {
+  /// Reduce-scatter every micro-step's gradients into the (sharded)
+  /// accumulator: least memory at stages 2-3, N x the communication.
+  reduce_each_micro_step,
+  /// Accumulate a full local gradient and reduce once at the boundary: one
+  /// reduction per step, but every rank holds a full gradient buffer.
+  reduce_at_boundary,
+};
+
+/// How parameters are packed into buckets, the unit of every collective.
+struct BucketOptions {
+  /// Target bucket size when parameters are grouped automatically.
+  std::size_t bytes = std::size_t{32} << 20;
+  /// Every parameter and every rank's bucket slice starts at a multiple of
+  /// this many elements.
+  std::size_t alignment_elements = 128;
+  /// Bucket reductions allowed in flight before the oldest is waited for:
+  /// overlap against memory for bucket buffers and communicator scratch.
+  int max_reductions_in_flight = 2;
+  /// Free transient blocks (gradient buckets, scratch, stage-3 unit buffers)
+  /// kept for reuse, in bytes; default: two of the largest bucket. 0 frees
+  /// each block when it is given back: the least memory, but every free
+  /// then waits for the device.
+  std::optional<std::size_t> cache_bytes;
+};
+
+/// Exponential moving average of the weights (fp32, sharded like the master
+/// weights), updated after every applied step.
+struct EmaOptions {
+  /// 0 disables the EMA.
+  double decay = 0;
+  /// Ramp the decay as min(decay, (1 + t) / (10 + t)) at step t, so early
+  /// weights do not dominate (the convention of diffusers' EMAModel).
+  bool warmup = true;
+  bool enabled() const { return decay > 0; }
+};
+
+/// ZeRO-Offload (stages 1-3).
+struct OffloadOptions {
+  /// This rank's fp32 master weights, optimizer state and EMA live in pinned
+  /// host memory. At step() the reduced gradient shard is copied down bucket
+  /// by bucket, the CPU optimizer (vectorized, multi-threaded; bit-identical
+  /// to the device kernels) updates it, and the new model-dtype values go
+  /// back up and are all-gathered, each bucket's copies overlapping the next
+  /// one's update.
+  bool optimizer = false;
+  /// Parameter offload (stage 3, with `optimizer`): this rank's model-dtype
+  /// parameter shard lives in pinned host memory too. Gathering a unit copies
+  /// the rank's slice up and all-gathers it in place; the CPU optimizer
+  /// writes the updated shard where it lives, so nothing goes back up after
+  /// a step. On the device only the gathered units stay.
+  bool params = false;
+  /// Delayed parameter update (ZeRO-Offload's DPU; `optimizer` with one
+  /// micro-step per step, not `params`): step() computes the gradient
+  /// statistics (so clipping, loss scaling and skipping are decided at once),
+  /// then runs the CPU update on a background thread while the next forward
+  /// and backward run on the device with the parameters from before it. The
+  /// update is joined and its parameters go up at the next step(): forward
+  /// at step t+1 sees the update of step t-1, not t (the parameters lag one
+  /// step; master weights, state and EMA are exact). Anything that reads or
+  /// writes the state (save_state, load_state, set_param, gather_*) first
+  /// completes the pending update and uploads it. Host memory: one more
+  /// gradient and one more parameter staging shard.
+  bool delayed_update = false;
+  /// With delayed_update: the first this-many applied steps update
+  /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).
+  int delayed_update_warmup_steps = 0;
+};
+
+struct EngineOptions {
+  int stage = 2;
+  /// Parameters as the model computes with them. fp32 needs no master copy.
+  DType param_dtype = DType::bf16;
+  /// Gradients as backward writes and the collectives reduce them; defaults
+  /// to param_dtype.
+  std::optional<DType> grad_dtype;
+  int accumulation_steps = 1;
+  GradAccumulation accumulation = GradAccumulation::reduce_each_micro_step;
+  /// Global-norm clipping threshold; 0 disables clipping.
+  double max_grad_norm = 0;
+  OptimizerOptions optimizer{};
+  /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
+  std::optional<bool> loss_scaling;
+  LossScalerOptions loss_scaler{};
+  BucketOptions buckets{};
+  EmaOptions ema{};
+  OffloadOptions offload{};
+  /// Steps with non-finite gradients in a row before step() throws (0 = never).
+  /// Each such step is skipped and counted either way.
+  int max_consecutive_nonfinite = 0;
+
+  DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
+  bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
+  /// Throws zero::InvalidArgument naming the option and what was expected.
+  void validate() const;
+};
+
+}  // namespace zero

@@ -1,0 +1,74 @@
+// The engine's memory: persistent buffers, transient blocks reused by size,
+// and the accounting by category that memory(), peak_memory() and the
+// planner read. Internal to src/engine.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <map>
+#include <vector>
+
+#include "zero/engine/backend.hpp"
+#include "zero/engine/memory_model.hpp"
+
+namespace zero::detail {
+
+enum Category { kParams, kGrads, kMaster, kState, kEma, kBuffers, kCategories };
+
+/// Transient device blocks at the moment their total was highest.
+struct TransientUse {
+  std::size_t gathered_units = 0;  // stage-3 unit buffers (category params)
+  std::size_t bucket_buffers = 0;  // gradient buckets and scratch in use
+  std::size_t cached_blocks = 0;   // free blocks kept for reuse
+  std::size_t total() const { return gathered_units + bucket_buffers + cached_blocks; }
+};
+
+class BufferPool {
+ public:
+  /// cache_limit: free transient bytes kept for reuse at most.
+  BufferPool(Backend& backend, std::size_t cache_limit) : backend_(backend), cache_limit_(cache_limit) {}
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  /// Persistent backend memory, zeroed; null for 0 bytes.
+  template <typename T = std::byte>
+  T* allocate(Category c, std::size_t bytes) {
+    return static_cast<T*>(allocate_bytes(c, bytes));
+  }
+  /// Persistent pinned host memory, zeroed; null for 0 bytes.
+  template <typename T = std::byte>
+  T* allocate_host(Category c, std::size_t bytes) {
+    return static_cast<T*>(allocate_host_bytes(c, bytes));
+  }
+  void free(void* p, std::size_t bytes);
+  void free_host(void* p, std::size_t bytes);
+
+  /// A transient block, zeroed on `stream`; a free block of the same size is reused.
+  std::byte* acquire(Category c, std::size_t bytes, Stream stream);
+  /// Returns a transient block: kept for reuse (counted as buffers) while the
+  /// cache is under its limit, freed otherwise.
+  void give_back(Category c, void* p, std::size_t bytes);
+
+  std::size_t current(Category c) const { return current_[c]; }
+  std::size_t peak(Category c) const { return peak_[c]; }
+  std::size_t host_current(Category c) const { return host_current_[c]; }
+  TransientUse transient_now() const { return {transient_units_, transient_buffers_, cached_}; }
+  TransientUse transient_peak() const { return transient_peak_; }
+
+ private:
+  void* allocate_bytes(Category c, std::size_t bytes);
+  void* allocate_host_bytes(Category c, std::size_t bytes);
+  void count(Category c, std::ptrdiff_t delta);
+  void count_transient(Category c, std::ptrdiff_t live, std::ptrdiff_t cached);
+
+  Backend& backend_;
+  std::size_t cache_limit_ = 0;
+  std::array<std::size_t, kCategories> current_{}, peak_{}, host_current_{}, host_peak_{};
+  std::map<std::size_t, std::vector<void*>> free_blocks_;  // reusable transient blocks by size
+  std::size_t cached_ = 0;
+  std::size_t transient_units_ = 0, transient_buffers_ = 0;
+  TransientUse transient_peak_;
+};
+
+}  // namespace zero::detail

@@ -1,0 +1,148 @@
+// Engine::Impl: the engine's buffers and per-step bookkeeping, shared by the
+// files of src/engine that implement Engine (engine.cpp: parameters and
+// gathers; reductions.cpp: the gradient path; step.cpp: the optimizer step;
+// engine_state.cpp: checkpoints and inspection) and by the updaters.
+// Internal to src/engine.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "buffer_pool.hpp"
+#include "updater.hpp"
+#include "zero/engine/engine.hpp"
+#include "zero/engine/stage_plan.hpp"
+
+namespace zero {
+
+using detail::Category;
+using detail::kBuffers;
+using detail::kEma;
+using detail::kGrads;
+using detail::kMaster;
+using detail::kParams;
+using detail::kState;
+
+struct Engine::Impl {
+  Impl(Communicator& c, Backend& b, const FlatLayout& l, const EngineOptions& o);
+  ~Impl();
+
+  Communicator& comm;
+  Backend& backend;
+  const FlatLayout& layout;
+  const EngineOptions& options;
+  const StagePlan plan;
+  const int rank, world;
+  const DType pdt, gdt;
+  const std::size_t p_size, g_size;
+  detail::BufferPool pool;
+
+  // ---------------------------------------------------------------- persistent buffers
+  std::byte* params_full = nullptr;  // stages 0-2
+  std::byte* param_shard = nullptr;  // stage 3 (pinned host memory with offload.params)
+  float* master = nullptr;           // full at stage 0, else a shard; null when params are fp32 on the device
+  float* state0 = nullptr;
+  float* state1 = nullptr;
+  float* ema = nullptr;              // like master, when EMA is on
+  bool ema_initialized = false;
+  std::byte* grads_full = nullptr;   // plan.full_grads
+  std::byte* grad_shard = nullptr;   // plan.grad_shard_on_device()
+  /// How master, state and EMA are updated (on the device, offloaded, delayed).
+  std::unique_ptr<detail::Updater> updater;
+
+  // ---------------------------------------------------------------- gradient path (reductions.cpp)
+  struct Pending {
+    std::size_t bucket;
+    WorkPtr work;
+    void* scratch = nullptr;  // reduced values still to be added to the accumulator (or copied down)
+    std::size_t scratch_bytes = 0;
+  };
+  // Gradient downloads in flight (plan.streams_grads_to_host): the device
+  // block holding a bucket's reduced slice is reused only once its copy has landed.
+  struct Download {
+    std::byte* scratch = nullptr;  // null when the slice was reduced in place (stage 1)
+    std::size_t bytes = 0;
+    Event copied = nullptr;
+  };
+  std::vector<char> param_ready;
+  std::vector<std::size_t> bucket_ready_count;
+  std::vector<char> accumulator_has_data;  // this step
+  std::vector<std::byte*> bucket_buffer;   // transient per-bucket gradient buffers
+  std::deque<Pending> pending;
+  std::deque<Download> downloads;
+
+  void issue_reduce(std::size_t b);
+  void complete(Pending& entry);
+  void retire_download();
+  /// Every reduction and download done; the compute stream ordered after them.
+  void complete_all();
+  /// Zeroes the gradient buffers for the next step.
+  void reset_gradients();
+
+  // ---------------------------------------------------------------- parameter gathers (engine.cpp)
+  // Stages 1-2: the all-gather of each bucket's updated slices after a step,
+  // left in flight so that it overlaps the next forward; waited for per
+  // bucket on first use or before anything else touches the parameters.
+  std::vector<WorkPtr> param_gathers;
+  // Stage 3: gathered unit buffers, their reference counts and gathers in flight.
+  std::vector<std::byte*> unit_buffer;
+  std::vector<int> unit_refs;
+  std::vector<WorkPtr> unit_work;
+
+  void finish_param_gather(std::size_t b);
+  void finish_param_gathers();
+  /// Before anything reads or writes the state outside step(): a delayed
+  /// update completed and uploaded, the parameter gathers done.
+  void settle();
+
+  // ---------------------------------------------------------------- shared pieces
+  /// Makes `waiter` wait for the work queued on `producer` so far (an event,
+  /// recorded and released), without blocking the host.
+  void order_after(Stream waiter, Stream producer);
+  /// All-gathers every rank's slice of bucket b into `dest` (the bucket's
+  /// padded length, dtype elements) on the comm stream: in place from this
+  /// rank's place in dest, or, when `own_on_host`, after copying `own` up into it.
+  WorkPtr gather_bucket(std::size_t b, void* dest, DType dtype, const void* own, bool own_on_host);
+  /// gather_bucket for every bucket of a full buffer (`full` + bucket offsets),
+  /// this rank's slice of bucket b at own(b).
+  std::vector<WorkPtr> gather_buckets(void* full, DType dtype, const std::function<const void*(std::size_t)>& own,
+                                      bool own_on_host);
+
+  // ---------------------------------------------------------------- addresses
+  /// This rank's slice of bucket b, in full-buffer coordinates.
+  std::size_t own_offset(std::size_t b) const {
+    const Bucket& bucket = layout.buckets()[b];
+    return bucket.offset + static_cast<std::size_t>(rank) * bucket.shard_size;
+  }
+  /// The reduced (averaged) gradient of this rank's slice of bucket b.
+  std::byte* reduced_grad(std::size_t b) const {
+    if (plan.reduces_in_place()) return grads_full + own_offset(b) * g_size;
+    return grad_shard + layout.buckets()[b].shard_offset * g_size;
+  }
+  /// This rank's slice of bucket b in an fp32 buffer laid out like the
+  /// optimizer state: full at stage 0, a shard otherwise.
+  float* optimizer_slice(float* base, std::size_t b) const {
+    return base + (plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset);
+  }
+  /// The fp32 master values of this rank's slice of bucket b (the parameters
+  /// themselves when they are fp32 on the device).
+  float* master_slice(std::size_t b) const {
+    if (master) return optimizer_slice(master, b);
+    if (plan.gathers_units) return reinterpret_cast<float*>(param_shard) + layout.buckets()[b].shard_offset;
+    return reinterpret_cast<float*>(params_full) + own_offset(b);
+  }
+  /// This rank's model-dtype slice of bucket b where the optimizer writes it.
+  std::byte* own_params(std::size_t b) const {
+    if (plan.gathers_units) return param_shard + layout.buckets()[b].shard_offset * p_size;
+    return params_full + own_offset(b) * p_size;
+  }
+  // fp32 state slices to and from host memory: a plain copy when the state
+  // is offloaded, a device transfer otherwise.
+  void state_to_host(void* host_dst, const void* state, std::size_t bytes);
+  void state_from_host(void* state, const void* host_src, std::size_t bytes);
+};
+
+}  // namespace zero

@@ -1,0 +1,449 @@
+// Engine state: checkpoints (save_state, load_state, load_state_resharded)
+// and the collective inspection of parameters and optimizer state. The shard
+// file's format (one safetensors file per rank, "zero.engine" metadata) is
+// defined here, with its reader for tools (engine_state.hpp).
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+
+#include "engine_impl.hpp"
+#include "zero/engine/engine_state.hpp"
+#include "zero/io/safetensors.hpp"
+
+namespace zero {
+
+// ---------------------------------------------------------------- inspection
+
+namespace {
+std::vector<std::vector<float>> split_params(const FlatLayout& layout, const std::vector<float>& full) {
+  std::vector<std::vector<float>> out(layout.params().size());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const ParamSlot& slot = layout.slots()[p];
+    out[p].assign(full.begin() + static_cast<std::ptrdiff_t>(slot.offset),
+                  full.begin() + static_cast<std::ptrdiff_t>(slot.offset + slot.numel));
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::vector<float>> Engine::gather_master_params() {
+  Impl& m = *impl_;
+  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.master_slice(b); });
+}
+
+std::vector<std::vector<float>> Engine::gather_ema_params() {
+  Impl& m = *impl_;
+  ZERO_CHECK(m.ema != nullptr, "gather_ema_params: EMA is off (EngineOptions.ema_decay is 0)");
+  if (!m.ema_initialized) return gather_master_params();  // no step yet: the average is the weights
+  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); });
+}
+
+std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
+  Impl& m = *impl_;
+  float* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;
+  ZERO_CHECK(base != nullptr, "gather_optimizer_state: the optimizer has no state tensor ", slot);
+  return gather_fp32_slices([&m, base](std::size_t b) -> const float* { return m.optimizer_slice(base, b); });
+}
+
+std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
+  Impl& m = *impl_;
+  m.settle();
+  Backend& be = m.backend;
+  const std::size_t full = layout_.padded_numel();
+  std::vector<float> host(full);
+  be.synchronize(be.compute_stream());
+  float* gathered = static_cast<float*>(be.allocate(full * 4));
+  try {
+    for (auto& w : m.gather_buckets(gathered, DType::fp32, slice, m.plan.optimizer_on_host)) w->wait();
+    be.synchronize(be.comm_stream());
+    be.copy_to_host(host.data(), gathered, full * 4);
+  } catch (...) {
+    be.deallocate(gathered, full * 4);
+    throw;
+  }
+  be.deallocate(gathered, full * 4);
+  return split_params(layout_, host);
+}
+
+std::vector<std::vector<float>> Engine::gather_model_params() {
+  Impl& m = *impl_;
+  m.settle();
+  Backend& be = m.backend;
+  const std::size_t full = layout_.padded_numel();
+  std::vector<std::byte> raw(full * m.p_size);
+  be.synchronize(be.compute_stream());
+  if (m.plan.params_full) {
+    be.copy_to_host(raw.data(), m.params_full, raw.size());
+  } else {
+    std::byte* gathered = static_cast<std::byte*>(be.allocate(raw.size()));
+    try {
+      auto own = [&m](std::size_t b) -> const void* { return m.own_params(b); };
+      for (auto& w : m.gather_buckets(gathered, m.pdt, own, m.plan.params_on_host)) w->wait();
+      be.synchronize(be.comm_stream());
+      be.copy_to_host(raw.data(), gathered, raw.size());
+    } catch (...) {
+      be.deallocate(gathered, raw.size());
+      throw;
+    }
+    be.deallocate(gathered, raw.size());
+  }
+  std::vector<float> host(full);
+  for (std::size_t i = 0; i < full; ++i) host[i] = load_as_float(raw.data(), i, m.pdt);
+  return split_params(layout_, host);
+}
+
+
+// ---------------------------------------------------------------- checkpoints
+// (kept with the engine: it needs the buffers' placement at every stage)
+
+
+namespace {
+
+constexpr const char* kShardFormat = "zero.engine.shard";
+constexpr int kShardVersion = 1;
+
+nlohmann::json layout_json(const FlatLayout& layout) {
+  nlohmann::json params = nlohmann::json::array(), groups = nlohmann::json::array();
+  for (const ParamSpec& p : layout.params()) {
+    nlohmann::json entry = {{"name", p.name}, {"numel", p.numel}};
+    // The shape, where the model gave one, lets a consolidated file carry real
+    // tensor shapes. Files from before it have name and numel only.
+    if (!p.shape.empty()) entry["shape"] = p.shape;
+    params.push_back(std::move(entry));
+  }
+  for (const Bucket& b : layout.buckets()) groups.push_back(b.param_count);
+  return {{"world_size", layout.world_size()}, {"alignment", layout.alignment()},
+          {"padded_numel", layout.padded_numel()}, {"params", params}, {"bucket_param_counts", groups}};
+}
+
+}  // namespace
+
+void Engine::save_state(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata) {
+  Impl& m = *impl_;
+  Backend& be = m.backend;
+  ZERO_CHECK(micro_step_ == 0, "save_state: in the middle of a step (", micro_step_,
+             " micro-steps done); save between steps");
+  m.settle();
+  be.synchronize(be.compute_stream());
+  const std::size_t shard = layout_.shard_numel();
+  auto collect = [&](auto slice_of) {
+    std::vector<float> host(shard);
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b)
+      m.state_to_host(host.data() + layout_.buckets()[b].shard_offset, slice_of(b), layout_.buckets()[b].shard_size * 4);
+    return host;
+  };
+  std::vector<std::pair<std::string, std::vector<float>>> tensors;
+  tensors.emplace_back("master", collect([&](std::size_t b) { return m.master_slice(b); }));
+  if (m.state0) tensors.emplace_back("state0", collect([&](std::size_t b) { return m.optimizer_slice(m.state0, b); }));
+  if (m.state1) tensors.emplace_back("state1", collect([&](std::size_t b) { return m.optimizer_slice(m.state1, b); }));
+  if (m.ema && m.ema_initialized)
+    tensors.emplace_back("ema", collect([&](std::size_t b) { return m.optimizer_slice(m.ema, b); }));
+  std::vector<io::TensorView> views;
+  for (auto& [name, data] : tensors)
+    views.push_back({name, io::TensorDType::F32, {static_cast<std::int64_t>(data.size())}, data.data()});
+
+  nlohmann::json state = {{"format", kShardFormat},
+                          {"version", kShardVersion},
+                          {"rank", rank_},
+                          {"stage", options_.stage},
+                          {"param_dtype", std::string(name_of(options_.param_dtype))},
+                          {"optimizer", std::string(name_of(options_.optimizer.kind))},
+                          {"state_slots", options_.optimizer.state_slots()},
+                          {"step", step_},
+                          {"skipped_total", skipped_total_},
+                          {"consecutive_nonfinite", consecutive_nonfinite_},
+                          {"loss_scale", scaler_.scale()},
+                          {"loss_scale_good_steps", scaler_.good_steps()},
+                          {"loss_scale_hysteresis_left", scaler_.hysteresis_left()},
+                          {"loss_scale_skipped", scaler_.skipped_steps()},
+                          {"layout", layout_json(layout_)}};
+  std::map<std::string, std::string> meta(metadata.begin(), metadata.end());
+  meta["zero.engine"] = state.dump();
+  io::write_safetensors(path, views, meta);
+}
+
+namespace {
+
+nlohmann::json shard_metadata(const io::SafeTensorsFile& file, const std::string& path) {
+  auto it = file.metadata().find("zero.engine");
+  if (it == file.metadata().end())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no 'zero.engine' metadata (not written by Engine::save_state)");
+  try {
+    return nlohmann::json::parse(it->second);
+  } catch (const std::exception& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata is not JSON: ", e.what());
+  }
+}
+
+// The parameters and their bucketing must match; the world size and the
+// alignment may differ (resharding).
+void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const std::string& path) {
+  auto expect = [&](const char* key, const nlohmann::json& want) {
+    if (!state.contains(key) || state[key] != want)
+      ZERO_THROW(IoError, "checkpoint shard '", path, "': ", key, " is ",
+                 state.contains(key) ? state[key].dump() : std::string("missing"), ", this run has ", want.dump());
+  };
+  expect("format", kShardFormat);
+  expect("version", kShardVersion);
+  if (!state.contains("layout") || !state["layout"].is_object())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no layout in its metadata");
+  const nlohmann::json& layout = state["layout"];
+  const auto& theirs = layout.value("params", nlohmann::json::array());
+  const auto& ours = here["params"];
+  std::string detail;
+  if (theirs.size() != ours.size()) {
+    detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
+  } else {
+    // Name and numel decide; shapes only where both sides recorded one (files
+    // written before shapes were recorded still load).
+    auto same = [](const nlohmann::json& a, const nlohmann::json& b) {
+      if (!a.is_object() || a.value("name", nlohmann::json()) != b["name"] ||
+          a.value("numel", nlohmann::json()) != b["numel"])
+        return false;
+      return !a.contains("shape") || !b.contains("shape") || a["shape"] == b["shape"];
+    };
+    for (std::size_t i = 0; i < ours.size() && detail.empty(); ++i)
+      if (!same(theirs[i], ours[i]))
+        detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
+                 ours[i].dump() + " here";
+  }
+  if (detail.empty() && layout.value("bucket_param_counts", nlohmann::json()) != here["bucket_param_counts"])
+    detail = "the parameters are grouped into other buckets/units";
+  if (!detail.empty()) ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail);
+}
+
+const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& path, const char* name, std::size_t count) {
+  const io::TensorInfo* info = file.find(name);
+  if (!info) return nullptr;
+  if (info->dtype != io::TensorDType::F32 || info->shape != std::vector<std::int64_t>{static_cast<std::int64_t>(count)})
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor '", name, "' should be F32 [", count, "]");
+  return reinterpret_cast<const float*>(file.data(*info).data());
+}
+
+}  // namespace
+
+void Engine::load_state(const std::string& path) {
+  const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
+  const nlohmann::json state = shard_metadata(file, path);
+  check_same_model(state, layout_json(layout_), path);
+  if (state["layout"].value("world_size", -1) != world_)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ", state["layout"].value("world_size", -1),
+               " ranks; this run has ", world_, ": resume with load_state_resharded and every rank's file");
+  if (state.value("rank", -1) != rank_)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': rank is ", state.value("rank", -1), ", this run has ", rank_);
+  const std::size_t shard = layout_.shard_numel();
+  std::array<const float*, 4> tensors = {shard_tensor(file, path, "master", shard), shard_tensor(file, path, "state0", shard),
+                                         shard_tensor(file, path, "state1", shard), shard_tensor(file, path, "ema", shard)};
+  restore_state(tensors, state.dump(), path);
+}
+
+void Engine::load_state_resharded(const std::vector<std::string>& paths) {
+  ZERO_CHECK(!paths.empty(), "load_state_resharded: no checkpoint files");
+  std::vector<io::SafeTensorsFile> files;
+  for (const std::string& path : paths) files.push_back(io::SafeTensorsFile::open(path));
+  const nlohmann::json here = layout_json(layout_);
+  const nlohmann::json first = shard_metadata(files[0], paths[0]);
+  const int old_world = first["layout"].value("world_size", -1);
+  ZERO_CHECK(old_world == static_cast<int>(paths.size()), "load_state_resharded: the checkpoint was written by ",
+             old_world, " ranks but ", paths.size(), " files were given (", paths[0], ")");
+  for (std::size_t r = 0; r < files.size(); ++r) {
+    const nlohmann::json state = r == 0 ? first : shard_metadata(files[r], paths[r]);
+    check_same_model(state, here, paths[r]);
+    if (state.value("rank", -1) != static_cast<int>(r))
+      ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': rank is ", state.value("rank", -1), ", expected ", r,
+                 " (files must be given in rank order)");
+    if (state["layout"] != first["layout"] || state.value("step", -1) != first.value("step", -1))
+      ZERO_THROW(IoError, "checkpoint shard '", paths[r], "' does not belong with '", paths[0],
+                 "' (another layout or step)");
+  }
+  // The old placement of the same parameters.
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const Bucket& b : layout_.buckets()) {
+    groups.emplace_back(layout_.params().begin() + static_cast<std::ptrdiff_t>(next),
+                        layout_.params().begin() + static_cast<std::ptrdiff_t>(next + b.param_count));
+    next += b.param_count;
+  }
+  const FlatLayout old = FlatLayout::build_grouped(
+      groups, {.world_size = old_world, .alignment = first["layout"].value("alignment", std::size_t{1})});
+  ZERO_CHECK(old.padded_numel() == first["layout"].value("padded_numel", std::size_t{0}), "checkpoint shard '",
+             paths[0], "': its layout could not be rebuilt (padded size differs)");
+
+  // This rank's new slices, filled from whichever old ranks held those elements.
+  const std::size_t shard = layout_.shard_numel(), old_shard = old.shard_numel();
+  const char* names[4] = {"master", "state0", "state1", "ema"};
+  std::array<std::vector<float>, 4> hosts;
+  std::array<const float*, 4> pointers{};
+  for (int k = 0; k < 4; ++k) {
+    std::vector<const float*> sources;
+    for (std::size_t r = 0; r < files.size(); ++r) sources.push_back(shard_tensor(files[r], paths[r], names[k], old_shard));
+    if (std::find(sources.begin(), sources.end(), nullptr) != sources.end()) continue;  // absent in this checkpoint
+    hosts[k].assign(shard, 0.0f);
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+      const Bucket& nb = layout_.buckets()[b];
+      const std::size_t lo = nb.offset + static_cast<std::size_t>(rank_) * nb.shard_size, hi = lo + nb.shard_size;
+      for (std::size_t p = nb.first_param; p < nb.first_param + nb.param_count; ++p) {
+        const ParamSlot& ns = layout_.slots()[p];
+        const std::size_t a = std::max(lo, ns.offset), c = std::min(hi, ns.offset + ns.numel);
+        if (a >= c) continue;
+        // Elements [a, c) of the new full buffer, i.e. [a - ns.offset, c - ns.offset) of parameter p,
+        // from whichever old shards hold them.
+        float* dest = hosts[k].data() + nb.shard_offset + (a - lo);
+        for_each_shard_run(old, p, a - ns.offset, c - a,
+                           [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
+                             std::copy_n(sources[static_cast<std::size_t>(owner)] + index, run,
+                                         dest + (element - (a - ns.offset)));
+                           });
+      }
+    }
+    pointers[k] = hosts[k].data();
+  }
+  restore_state(pointers, first.dump(), paths[0]);
+}
+
+void Engine::restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json,
+                           const std::string& path) {
+  Impl& m = *impl_;
+  m.settle();
+  m.backend.synchronize(m.backend.comm_stream());  // uploads out of the host copies are done
+  Backend& be = m.backend;
+  const nlohmann::json state = nlohmann::json::parse(state_json);
+  if (state.value("optimizer", std::string()) != name_of(options_.optimizer.kind) ||
+      state.value("state_slots", -1) != options_.optimizer.state_slots())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': optimizer is ", state.value("optimizer", nlohmann::json()).dump(),
+               " with ", state.value("state_slots", -1), " state tensors, this run has \"",
+               name_of(options_.optimizer.kind), "\" with ", options_.optimizer.state_slots());
+  const auto [master, state0, state1, ema] = tensors;
+  if (!master) ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor 'master' is missing");
+  if ((m.state0 && !state0) || (m.state1 && !state1))
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': optimizer state tensors are missing");
+  be.synchronize(be.compute_stream());
+  const auto& buckets = layout_.buckets();
+  // Own slices first; stage 0 then gathers every rank's slices into its full buffers.
+  auto restore = [&](const float* host, const std::function<float*(std::size_t)>& slice, float* full_base) {
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      m.state_from_host(slice(b), host + buckets[b].shard_offset, buckets[b].shard_size * 4);
+    if (m.plan.optimizer_full && full_base) {
+      auto own = [&](std::size_t b) -> const void* { return full_base + m.own_offset(b); };
+      for (auto& w : m.gather_buckets(full_base, DType::fp32, own, false)) w->wait();
+      be.synchronize(be.comm_stream());
+    }
+  };
+  const bool fp32 = m.pdt == DType::fp32;
+  restore(master, [&](std::size_t b) { return m.master_slice(b); },
+          fp32 && !m.master ? (m.plan.optimizer_full ? reinterpret_cast<float*>(m.params_full) : nullptr) : m.master);
+  if (m.state0) restore(state0, [&](std::size_t b) { return m.optimizer_slice(m.state0, b); }, m.state0);
+  if (m.state1) restore(state1, [&](std::size_t b) { return m.optimizer_slice(m.state1, b); }, m.state1);
+  if (m.ema && ema) {
+    restore(ema, [&](std::size_t b) { return m.optimizer_slice(m.ema, b); }, m.ema);
+    m.ema_initialized = true;
+  }
+  // The model copy is the master rounded, as after every step; stages 0-2
+  // then gather every rank's slices (stage 0 with fp32 parameters restored
+  // them whole above).
+  m.updater->parameters_from_master();
+  if (m.plan.params_full && !(fp32 && m.plan.optimizer_full)) {
+    be.synchronize(be.compute_stream());
+    auto own = [&m](std::size_t b) -> const void* { return m.own_params(b); };
+    for (auto& w : m.gather_buckets(m.params_full, m.pdt, own, false)) w->wait();
+    be.synchronize(be.comm_stream());
+  }
+  step_ = state.value("step", std::int64_t{0});
+  skipped_total_ = state.value("skipped_total", std::int64_t{0});
+  consecutive_nonfinite_ = state.value("consecutive_nonfinite", 0);
+  scaler_.restore(state.value("loss_scale", 1.0), state.value("loss_scale_good_steps", 0),
+                  state.value("loss_scale_hysteresis_left", 1), state.value("loss_scale_skipped", std::int64_t{0}));
+}
+
+
+// ---------------------------------------------------------------- saved shards (for tools)
+
+SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
+  const std::string path = file.path().string();
+  const nlohmann::json state = shard_metadata(file, path);
+  auto fail = [&](const std::string& key, const char* expected) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata key '", key, "' should be ", expected);
+  };
+  if (!state.is_object()) fail("(root)", "an object");
+  auto integer = [&](const nlohmann::json& in, const char* key, std::int64_t lo, std::int64_t hi,
+                     const std::string& prefix = "") -> std::int64_t {
+    auto it = in.find(key);
+    if (it == in.end() || !it->is_number_integer()) fail(prefix + key, "an integer");
+    if (it->is_number_unsigned() && it->get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
+      fail(prefix + key, "an integer in range");
+    const auto x = it->get<std::int64_t>();
+    if (x < lo || x > hi) fail(prefix + key, "an integer in range");
+    return x;
+  };
+  auto text = [&](const char* key) -> std::string {
+    auto it = state.find(key);
+    if (it == state.end() || !it->is_string()) fail(key, "a string");
+    return it->get<std::string>();
+  };
+  if (state.value("format", nlohmann::json()) != kShardFormat) fail("format", "\"zero.engine.shard\"");
+  if (state.value("version", nlohmann::json()) != kShardVersion) fail("version", "1");
+  SavedShard out;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  out.rank = static_cast<int>(integer(state, "rank", 0, 1 << 20));
+  out.stage = static_cast<int>(integer(state, "stage", 0, 3));
+  out.step = integer(state, "step", 0, kMax);
+  out.param_dtype = text("param_dtype");
+  out.optimizer = text("optimizer");
+  out.state_slots = static_cast<int>(integer(state, "state_slots", 0, 2));
+  if (auto it = state.find("loss_scale"); it == state.end() || !it->is_number()) fail("loss_scale", "a number");
+  out.loss_scale = state["loss_scale"].get<double>();
+  auto lit = state.find("layout");
+  if (lit == state.end() || !lit->is_object()) fail("layout", "an object");
+  const nlohmann::json& layout = *lit;
+  out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20, "layout."));
+  if (out.rank >= out.world_size) fail("rank", "below layout.world_size");
+  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30, "layout."));
+  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax, "layout."));
+  auto pit = layout.find("params");
+  auto cit = layout.find("bucket_param_counts");
+  if (pit == layout.end() || !pit->is_array()) fail("layout.params", "an array");
+  if (cit == layout.end() || !cit->is_array()) fail("layout.bucket_param_counts", "an array");
+  std::vector<ParamSpec> params;
+  for (const nlohmann::json& p : *pit) {
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string())
+      fail("layout.params[].name", "a string");
+    ParamSpec spec{p["name"].get<std::string>(),
+                   static_cast<std::size_t>(integer(p, "numel", 0, std::int64_t{1} << 50, "layout.params[].")), {}};
+    if (auto sit = p.find("shape"); sit != p.end()) {
+      if (!sit->is_array()) fail("layout.params[].shape", "an array of integers >= 0");
+      for (const nlohmann::json& d : *sit) {
+        if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
+          fail("layout.params[].shape", "an array of integers >= 0");
+        spec.shape.push_back(d.get<std::int64_t>());
+      }
+    }
+    params.push_back(std::move(spec));
+  }
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const nlohmann::json& c : *cit) {
+    if (!c.is_number_unsigned() || c.get<std::size_t>() == 0 || c.get<std::size_t>() > params.size() - next)
+      fail("layout.bucket_param_counts", "counts >= 1 that add up to the number of parameters");
+    const std::size_t n = c.get<std::size_t>();
+    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
+                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
+    next += n;
+  }
+  if (next != params.size()) fail("layout.bucket_param_counts", "counts that add up to the number of parameters");
+  try {
+    out.layout = FlatLayout::build_grouped(groups, {.world_size = out.world_size, .alignment = alignment});
+  } catch (const InvalidArgument& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
+  }
+  if (out.layout.padded_numel() != padded)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.layout.padded_numel(),
+               " padded elements, the file says ", padded);
+  out.layout_text = layout_json(out.layout).dump();  // rebuilt, not echoed: bounded depth
+  return out;
+}
+
+}  // namespace zero

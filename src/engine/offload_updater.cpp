@@ -1,0 +1,127 @@
+// OffloadUpdater: the optimizer step with master, state and EMA in pinned
+// host memory (ZeRO-Offload). Per bucket, the reduced gradient slice goes
+// down (or has already streamed down during backward), the CPU updates
+// master, state and EMA and writes the model-dtype copy, which goes back up
+// into this rank's slice. All transfers are queued on the comm stream up
+// front or as each bucket is done, so bucket b's update overlaps b+1's
+// download and b-1's upload.
+#include <algorithm>
+#include <chrono>
+
+#include "updaters.hpp"
+
+namespace zero::detail {
+
+OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
+  const std::size_t shard = m_.layout.shard_numel();
+  grad_host_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
+  if (!m_.plan.params_on_host) copy_host_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+}
+
+OffloadUpdater::~OffloadUpdater() {
+  const std::size_t shard = m_.layout.shard_numel();
+  m_.pool.free_host(grad_host_, shard * m_.g_size);
+  m_.pool.free_host(copy_host_, shard * m_.p_size);
+}
+
+void OffloadUpdater::initialize_ema() {
+  // The average starts at the weights before the first update.
+  if (!m_.ema || m_.ema_initialized) return;
+  m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
+  m_.ema_initialized = true;
+}
+
+void OffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
+  initialize_ema();
+  const auto start = std::chrono::steady_clock::now();
+  update_now(args);
+  result.cpu_update_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy) {
+  const Bucket& bucket = m_.layout.buckets()[b];
+  const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
+  const std::size_t p = m_.p_size, g = m_.g_size;
+  // Offloaded parameters are updated where they live; nothing goes up.
+  std::byte* model = m_.plan.params_on_host ? m_.param_shard + at * p : copy + at * p;
+  // In slices that fit the CPU's last-level cache, so the EMA reads the
+  // master weights the update just wrote from cache, not from DRAM
+  // (element-wise kernels: the same bits as one call over the bucket).
+  constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
+  for (std::size_t lo = 0; lo < n; lo += kSlice) {
+    ShardUpdate part;
+    part.master = m_.master + at + lo;
+    part.grad = grads + (at + lo) * g;
+    part.grad_dtype = m_.gdt;
+    part.state0 = m_.state0 ? m_.state0 + at + lo : nullptr;
+    part.state1 = m_.state1 ? m_.state1 + at + lo : nullptr;
+    part.model_copy = model + lo * p;
+    part.model_dtype = m_.pdt;
+    part.count = std::min(kSlice, n - lo);
+    m_.backend.host_optimizer_step(args.optimizer, args.scalars, part);
+    if (m_.ema) m_.backend.host_ema_update(m_.ema + at + lo, m_.master + at + lo, part.count, args.ema_decay);
+  }
+}
+
+void OffloadUpdater::upload_bucket(std::size_t b, const std::byte* copy) {
+  const Bucket& bucket = m_.layout.buckets()[b];
+  const std::byte* slice = copy + bucket.shard_offset * m_.p_size;
+  if (m_.plan.gathers_params_after_step) {
+    m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, slice, true);
+  } else {
+    m_.backend.copy(m_.own_params(b), slice, bucket.shard_size * m_.p_size, m_.backend.comm_stream());
+  }
+}
+
+void OffloadUpdater::finish_uploads() {
+  // Stage 3: the next forward's gathers read param_shard on the comm stream,
+  // already ordered; the compute stream waits for the uploads.
+  if (m_.plan.gathers_units && !m_.plan.params_on_host)
+    m_.order_after(m_.backend.compute_stream(), m_.backend.comm_stream());
+}
+
+void OffloadUpdater::update_now(const UpdateArgs& args) {
+  Backend& be = m_.backend;
+  const auto& buckets = m_.layout.buckets();
+  const Stream transfer = be.comm_stream();
+  // The last step's uploads read copy_host_: they must be done before it is rewritten.
+  be.synchronize(transfer);
+  std::vector<Event> down(buckets.size(), nullptr);
+  try {
+    // Streamed gradients are already down (finish_micro_step waited for them).
+    for (std::size_t b = 0; b < buckets.size() && !m_.plan.streams_grads_to_host; ++b) {
+      be.copy(grad_host_ + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b), buckets[b].shard_size * m_.g_size,
+              transfer);
+      down[b] = be.record_event(transfer);
+    }
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      if (down[b]) {
+        be.wait_event(down[b]);
+        be.release_event(down[b]);
+        down[b] = nullptr;
+      }
+      update_bucket(b, args, grad_host_, copy_host_);
+      if (!m_.plan.params_on_host) upload_bucket(b, copy_host_);
+    }
+  } catch (...) {
+    for (Event e : down) be.release_event(e);
+    throw;
+  }
+  finish_uploads();
+}
+
+void OffloadUpdater::parameters_from_master() {
+  Backend& be = m_.backend;
+  const auto& buckets = m_.layout.buckets();
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    const std::size_t at = buckets[b].shard_offset, n = buckets[b].shard_size;
+    if (m_.plan.params_on_host) {  // the shard lives on the host: written in place
+      be.host_convert(m_.master + at, DType::fp32, m_.param_shard + at * m_.p_size, m_.pdt, n);
+      continue;
+    }
+    be.host_convert(m_.master + at, DType::fp32, copy_host_ + at * m_.p_size, m_.pdt, n);
+    be.copy(m_.own_params(b), copy_host_ + at * m_.p_size, n * m_.p_size, be.compute_stream());
+  }
+}
+
+}  // namespace zero::detail

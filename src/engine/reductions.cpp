@@ -1,0 +1,154 @@
+// The gradient path: a bucket whose gradients are complete is
+// reduce-scattered (averaged over ranks) on the comm stream into where the
+// StagePlan says reduced gradients live: in place in the full buffer, into
+// the sharded accumulator (through scratch after the first micro-step), or
+// into scratch that is copied down to the host (streamed offload).
+#include "engine_impl.hpp"
+
+namespace zero {
+
+void Engine::Impl::issue_reduce(std::size_t b) {
+  const Bucket& bucket = layout.buckets()[b];
+  const std::byte* input = plan.full_grads ? grads_full + bucket.offset * g_size : bucket_buffer[b];
+  ZERO_ASSERT(input != nullptr || bucket.padded == 0, "bucket ", b, " has no gradient buffer");
+  Pending entry{b, nullptr};
+  void* destination;
+  if (plan.reduces_in_place()) {
+    destination = grads_full + own_offset(b) * g_size;
+  } else if (plan.streams_grads_to_host && world == 1) {
+    // One rank: the average is the gradient itself, copied down straight
+    // from the bucket buffer in complete() (no scratch, no collective).
+    destination = nullptr;
+  } else if (plan.streams_grads_to_host || accumulator_has_data[b]) {
+    // No device shard (reduced into scratch, copied down in complete()), or
+    // a later micro-step (reduced into scratch, added to the accumulator).
+    entry.scratch_bytes = bucket.shard_size * g_size;
+    entry.scratch = pool.acquire(kBuffers, entry.scratch_bytes, backend.comm_stream());
+    destination = entry.scratch;
+  } else {
+    destination = grad_shard + bucket.shard_offset * g_size;
+    accumulator_has_data[b] = 1;
+  }
+  // The gradients were written on the compute stream.
+  order_after(backend.comm_stream(), backend.compute_stream());
+  if (destination)
+    entry.work = comm.reduce_scatter(input, destination, bucket.shard_size, gdt, ReduceOp::avg, backend.comm_stream());
+  pending.push_back(std::move(entry));
+  // Bound the memory of reductions in flight (their input buffers and the
+  // communicator's scratch): complete the oldest beyond the limit.
+  while (pending.size() > static_cast<std::size_t>(options.buckets.max_reductions_in_flight)) {
+    complete(pending.front());
+    pending.pop_front();
+  }
+}
+
+void Engine::Impl::complete(Pending& entry) {
+  if (entry.work) entry.work->wait();
+  const Bucket& bucket = layout.buckets()[entry.bucket];
+  if (plan.streams_grads_to_host) {
+    // The reduced slice goes down now, overlapping the rest of backward;
+    // the device block it is read from is held until the copy lands.
+    Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr};
+    const void* reduced = entry.scratch;
+    if (!entry.scratch && plan.reduces_in_place()) {
+      reduced = reduced_grad(entry.bucket);
+    } else if (!entry.scratch) {  // one rank: the bucket buffer itself
+      d.scratch = bucket_buffer[entry.bucket];
+      d.bytes = bucket.padded * g_size;
+      bucket_buffer[entry.bucket] = nullptr;
+      reduced = d.scratch;
+    }
+    backend.copy(updater->host_gradients() + bucket.shard_offset * g_size, reduced, bucket.shard_size * g_size,
+                 backend.comm_stream());
+    d.copied = backend.record_event(backend.comm_stream());
+    downloads.push_back(d);
+    entry.scratch = nullptr;
+    while (downloads.size() > static_cast<std::size_t>(options.buckets.max_reductions_in_flight)) retire_download();
+  }
+  if (entry.scratch) {
+    backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt, bucket.shard_size,
+                       backend.comm_stream());
+    pool.give_back(kBuffers, entry.scratch, entry.scratch_bytes);
+  }
+  if (!plan.full_grads && bucket_buffer[entry.bucket]) {
+    pool.give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size);
+    bucket_buffer[entry.bucket] = nullptr;
+  }
+}
+
+void Engine::Impl::retire_download() {
+  Download d = downloads.front();
+  downloads.pop_front();
+  backend.wait_event(d.copied);
+  backend.release_event(d.copied);
+  if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes);
+}
+
+void Engine::Impl::complete_all() {
+  while (!pending.empty()) {
+    complete(pending.front());
+    pending.pop_front();
+  }
+  while (!downloads.empty()) retire_download();
+  order_after(backend.compute_stream(), backend.comm_stream());
+}
+
+void Engine::Impl::reset_gradients() {
+  const Stream compute = backend.compute_stream();
+  if (grads_full) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
+  if (grad_shard) backend.fill_zero(grad_shard, layout.shard_numel() * g_size, compute);
+  std::fill(accumulator_has_data.begin(), accumulator_has_data.end(), 0);
+}
+
+// ---------------------------------------------------------------- Engine: gradients
+
+void* Engine::grad_data(std::size_t param) {
+  ZERO_CHECK(param < layout_.params().size(), "grad_data: parameter index ", param, " of ",
+             layout_.params().size());
+  Impl& m = *impl_;
+  const ParamSlot& slot = layout_.slots()[param];
+  ZERO_CHECK(!m.param_ready[param], "grad_data('", layout_.params()[param].name,
+             "'): its gradient was already declared ready in this micro-step");
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_data: all ", options_.accumulation_steps,
+             " micro-steps of this step are done; call step() first");
+  if (m.plan.full_grads) return m.grads_full + slot.offset * m.g_size;
+  const Bucket& bucket = layout_.buckets()[slot.bucket];
+  if (!m.bucket_buffer[slot.bucket])
+    m.bucket_buffer[slot.bucket] = m.pool.acquire(kBuffers, bucket.padded * m.g_size, m.backend.compute_stream());
+  return m.bucket_buffer[slot.bucket] + (slot.offset - bucket.offset) * m.g_size;
+}
+
+void Engine::grad_ready(std::size_t param) {
+  ZERO_CHECK(param < layout_.params().size(), "grad_ready: parameter index ", param, " of ",
+             layout_.params().size());
+  Impl& m = *impl_;
+  ZERO_CHECK(!m.param_ready[param], "grad_ready('", layout_.params()[param].name,
+             "') called twice in one micro-step");
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_ready: all ", options_.accumulation_steps,
+             " micro-steps of this step are done; call step() first");
+  const std::size_t b = layout_.slots()[param].bucket;
+  if (!m.plan.full_grads && !m.bucket_buffer[b]) grad_data(param);  // an unused parameter: zero gradient
+  m.param_ready[param] = 1;
+  if (++m.bucket_ready_count[b] < layout_.buckets()[b].param_count) return;
+  const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
+  if (m.plan.reduce_only_at_boundary && !last_micro_step) return;
+  m.issue_reduce(b);
+}
+
+void Engine::finish_micro_step() {
+  Impl& m = *impl_;
+  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "finish_micro_step: all ",
+             options_.accumulation_steps, " micro-steps of this step are done; call step() first");
+  for (std::size_t p = 0; p < m.param_ready.size(); ++p)
+    if (!m.param_ready[p]) grad_ready(p);
+  m.complete_all();
+  // Reducing every micro-step out of a full buffer (stages 0-1): it held only
+  // this micro-step's local gradient, now in the accumulator.
+  if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary)
+    m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
+  std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
+  std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);
+  ++micro_step_;
+}
+
+}  // namespace zero

@@ -1,0 +1,83 @@
+#include "zero/engine/stage_plan.hpp"
+
+#include <cmath>
+
+namespace zero {
+
+void EngineOptions::validate() const {
+  ZERO_CHECK(stage >= 0 && stage <= 3, "EngineOptions.stage must be 0, 1, 2 or 3, got ", stage);
+  check_dtype(param_dtype, "EngineOptions.param_dtype");
+  check_dtype(effective_grad_dtype(), "EngineOptions.grad_dtype");
+  ZERO_CHECK(buckets.bytes >= 1, "EngineOptions.buckets.bytes must be >= 1");
+  ZERO_CHECK(buckets.alignment_elements >= 1, "EngineOptions.buckets.alignment_elements must be >= 1, got ",
+             buckets.alignment_elements);
+  ZERO_CHECK(accumulation_steps >= 1, "EngineOptions.accumulation_steps must be >= 1, got ",
+             accumulation_steps);
+  ZERO_CHECK(accumulation == GradAccumulation::reduce_each_micro_step ||
+                 accumulation == GradAccumulation::reduce_at_boundary,
+             "EngineOptions.accumulation: unknown mode ", static_cast<int>(accumulation));
+  ZERO_CHECK(std::isfinite(max_grad_norm) && max_grad_norm >= 0,
+             "EngineOptions.max_grad_norm must be finite and >= 0 (0 disables), got ", max_grad_norm);
+  ZERO_CHECK(buckets.max_reductions_in_flight >= 1,
+             "EngineOptions.buckets.max_reductions_in_flight must be >= 1, got ", buckets.max_reductions_in_flight);
+  ZERO_CHECK(ema.decay >= 0 && ema.decay < 1, "EngineOptions.ema.decay must be in [0, 1) (0 disables), got ",
+             ema.decay);
+  ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
+  // The offload messages use the trainer's key names (offload_optimizer,
+  // offload_params, offload_delayed_update), which users know them by.
+  ZERO_CHECK(!offload.optimizer || stage >= 1,
+             "EngineOptions.offload: offload_optimizer needs stage 1, 2 or 3, got stage ", stage,
+             " (stage 0 keeps the whole optimizer on every rank)");
+  ZERO_CHECK(!offload.params || (stage == 3 && offload.optimizer),
+             "EngineOptions.offload: offload_params needs stage 3 with offload_optimizer, got stage ", stage,
+             offload.optimizer ? "" : " without offload_optimizer",
+             " (below stage 3 every rank keeps the full parameters on the device)");
+  ZERO_CHECK(!offload.delayed_update || (offload.optimizer && accumulation_steps == 1 && !offload.params),
+             "EngineOptions.offload: offload_delayed_update needs offload_optimizer with accumulation_steps 1 and "
+             "without offload_params, got ",
+             offload.optimizer ? "" : "no offload_optimizer, ", "accumulation_steps ", accumulation_steps,
+             offload.params ? ", offload_params" : "");
+  ZERO_CHECK(offload.delayed_update_warmup_steps >= 0,
+             "EngineOptions.offload.delayed_update_warmup_steps must be >= 0, got ",
+             offload.delayed_update_warmup_steps);
+  optimizer.validate();
+  if (effective_loss_scaling()) loss_scaler.validate();
+}
+
+StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
+  o.validate();
+  ZERO_CHECK(world_size >= 1, "world_size must be >= 1, got ", world_size);
+  StagePlan p;
+  p.stage = o.stage;
+  p.world_size = world_size;
+  p.param_dtype = o.param_dtype;
+  p.grad_dtype = o.effective_grad_dtype();
+  const bool multi = o.accumulation_steps > 1;
+  const bool at_boundary = o.accumulation == GradAccumulation::reduce_at_boundary;
+
+  p.params_full = o.stage < 3;
+  p.gathers_units = o.stage == 3;
+  p.gathers_params_after_step = o.stage == 1 || o.stage == 2;
+  p.params_on_host = o.offload.params;
+
+  // Stages 0-1 reduce in place into the full buffer unless several
+  // micro-steps are each reduced (then a sharded accumulator holds the
+  // running sum); stages 2-3 always keep the sharded accumulator. Backward
+  // writes into a full buffer at stages 0-1 and when accumulating locally to
+  // the boundary over several micro-steps at 2-3; otherwise into transient
+  // bucket buffers.
+  p.full_grads = o.stage <= 1 || (at_boundary && multi);
+  p.shard_accumulator = o.stage >= 2 || (!at_boundary && multi);
+  p.reduce_only_at_boundary = at_boundary && multi;
+  p.streams_grads_to_host = o.offload.optimizer && !multi;
+
+  p.optimizer_full = o.stage == 0;
+  p.optimizer_on_host = o.offload.optimizer;
+  p.has_master = o.param_dtype != DType::fp32 || o.offload.optimizer;
+  p.state_slots = o.optimizer.state_slots();
+  p.ema = o.ema.enabled();
+  p.delayed_update = o.offload.delayed_update;
+  return p;
+}
+
+}  // namespace zero

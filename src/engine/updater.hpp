@@ -1,0 +1,53 @@
+// Updaters: how a step's update reaches the master weights, optimizer state,
+// EMA and model parameters, chosen once at construction from the StagePlan:
+//   DeviceUpdater         - the backend's fused kernels, where the state lives
+//                           (device, or host memory on the host backend);
+//   OffloadUpdater        - state in pinned host memory, updated by the CPU
+//                           bucket by bucket while transfers overlap;
+//   DelayedOffloadUpdater - the same update on a background thread, beside
+//                           the next step's forward and backward.
+// Engine::step decides (statistics, loss scale, skip, clip) and hands the
+// decision to the updater; the updater also starts the gathers that bring
+// the parameters back. Internal to src/engine.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "zero/engine/engine.hpp"
+#include "zero/optim/optimizer.hpp"
+
+namespace zero::detail {
+
+/// A step the engine decided to apply.
+struct UpdateArgs {
+  const OptimizerOptions& optimizer;
+  StepScalars scalars;
+  double ema_decay = 0;
+  std::int64_t step = 0;  // optimizer steps applied, this one included
+};
+
+class Updater {
+ public:
+  virtual ~Updater() = default;
+  /// Called by every step() once the statistics are agreed, before the
+  /// update: the delayed updater joins the previous update here (rethrowing
+  /// its error) and queues its parameters up, applied or skipped.
+  virtual void finish_previous(StepResult& result) { (void)result; }
+  /// Applies the step to master, state and EMA, writes the model-dtype
+  /// parameters and starts the gathers that bring every rank's slices back.
+  virtual void apply(const UpdateArgs& args, StepResult& result) = 0;
+  /// Before anything reads or writes the state outside step(): nothing pending.
+  virtual void settle() {}
+  /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
+  virtual std::byte* host_gradients() { return nullptr; }
+  /// The model-dtype parameters recomputed from the master weights (after a
+  /// restore): this rank's slices, not yet gathered.
+  virtual void parameters_from_master() = 0;
+};
+
+/// The updater the engine's plan calls for; `engine` outlives it.
+std::unique_ptr<Updater> make_updater(Engine::Impl& engine);
+
+}  // namespace zero::detail

@@ -1,0 +1,85 @@
+// The updaters' classes (see updater.hpp). Internal to src/engine.
+#pragma once
+
+#include <array>
+#include <exception>
+#include <thread>
+
+#include "engine_impl.hpp"
+
+namespace zero::detail {
+
+class DeviceUpdater final : public Updater {
+ public:
+  explicit DeviceUpdater(Engine::Impl& engine);
+  void apply(const UpdateArgs& args, StepResult& result) override;
+  void parameters_from_master() override;
+
+ private:
+  void initialize_ema();
+  /// Stage 0: the full fp32 weights the optimizer updates (the master, or
+  /// the parameters themselves when they are fp32).
+  float* full_weights() const { return m_.master ? m_.master : reinterpret_cast<float*>(m_.params_full); }
+  Engine::Impl& m_;
+};
+
+class OffloadUpdater : public Updater {
+ public:
+  explicit OffloadUpdater(Engine::Impl& engine);
+  ~OffloadUpdater() override;
+  void apply(const UpdateArgs& args, StepResult& result) override;
+  std::byte* host_gradients() override { return grad_host_; }
+  void parameters_from_master() override;
+
+ protected:
+  void initialize_ema();
+  /// The whole synchronous update: gradients down (unless streamed), the CPU
+  /// update of each bucket, its parameters up and gathered.
+  void update_now(const UpdateArgs& args);
+  /// The CPU update of this rank's slice of bucket b from the gradient shard
+  /// `grads`: master, state and EMA, and the model-dtype values written to
+  /// the staging shard `copy` or, with offloaded parameters, in place.
+  void update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy);
+  /// Bucket b's updated model-dtype slice from `copy` up into this rank's
+  /// place; stages 1-2 then start its all-gather (left in flight).
+  void upload_bucket(std::size_t b, const std::byte* copy);
+  /// Stage 3 (parameters on the device): the next forward waits for the uploads.
+  void finish_uploads();
+
+  Engine::Impl& m_;
+  std::byte* grad_host_ = nullptr;  // the reduced gradient shard, copied down
+  std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
+};
+
+/// The delayed parameter update (EngineOptions::offload.delayed_update): two
+/// gradient shards (backward streams into one while the update reads the
+/// other) and two parameter copies (the update writes one while the other
+/// may still be going up).
+class DelayedOffloadUpdater final : public OffloadUpdater {
+ public:
+  explicit DelayedOffloadUpdater(Engine::Impl& engine);
+  ~DelayedOffloadUpdater() override;
+  void finish_previous(StepResult& result) override;
+  void apply(const UpdateArgs& args, StepResult& result) override;
+  void settle() override;
+
+ private:
+  /// Starts the CPU update of the gradients in grad_host_ on a background
+  /// thread; the next backward streams into the other gradient shard.
+  void start(const UpdateArgs& args);
+  /// Waits for the background update; rethrows what it threw. Returns the seconds waited.
+  double join();
+  /// Queues the finished update's parameters up (and their gathers).
+  void upload();
+
+  std::byte* grad_host_spare_ = nullptr;
+  std::array<std::byte*, 2> copies_{};
+  std::array<Event, 2> copy_uploaded_{};  // the last upload out of copies_[i]
+  int update_copy_ = 0;                   // the copy the running (or finished) update writes
+  std::thread thread_;
+  std::exception_ptr error_;
+  double update_seconds_ = 0;
+  bool upload_pending_ = false;  // an update finished (or running) whose values are not up yet
+};
+
+}  // namespace zero::detail

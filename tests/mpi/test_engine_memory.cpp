@@ -3,11 +3,13 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/engine.hpp"
+#include "zero/engine/planner.hpp"
 
 using namespace zero;
 
@@ -241,5 +243,115 @@ TEST_CASE("fp16: an overflow on one rank skips the step everywhere and backs the
     engine.step();
     micro_step(true);
     CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("3 steps in a row had non-finite gradients"), Error);
+  }
+}
+
+namespace {
+
+// Drives the engine as a model does: forward enters every unit (stage 3),
+// backward enters them in reverse and writes every gradient, the engine's
+// unit schedule deciding the prefetches; `recomputed` units are not
+// prefetched around.
+void run_model_steps(Engine& engine, const std::vector<bool>& recomputed, int steps) {
+  const DType gdt = engine.options().effective_grad_dtype();
+  for (int s = 0; s < steps; ++s) {
+    for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
+      if (engine.plan().gathers_units)
+        for (std::size_t u = 0; u < engine.unit_count(); ++u) {
+          engine.enter_unit(u, Pass::forward, recomputed[u]);
+          engine.release_unit(u);
+        }
+      for (std::size_t u = engine.unit_count(); u-- > 0;) {
+        engine.enter_unit(u, Pass::backward, recomputed[u]);
+        const Bucket& bucket = engine.layout().buckets()[u];
+        for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
+          void* g = engine.grad_data(p);
+          for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+            store_from_float(g, k, gdt, 1e-3f * static_cast<float>((k + p) % 7));
+          engine.grad_ready(p);
+        }
+        engine.release_unit(u);
+      }
+      engine.finish_micro_step();
+    }
+    engine.step();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for byte") {
+  // The planner runs the real engine on a counting backend; here the engine
+  // runs for real (host memory, MPI) and both must agree exactly: persistent
+  // state by category, host staging, and the transient peak by kind.
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  struct Case {
+    int stage;
+    bool offload, offload_params, delayed;
+    int accumulation;
+    GradAccumulation mode;
+    bool checkpointing;
+    std::optional<std::size_t> cache;
+  };
+  const auto each = GradAccumulation::reduce_each_micro_step, boundary = GradAccumulation::reduce_at_boundary;
+  const Case cases[] = {
+      {0, false, false, false, 1, each, false, {}},  {1, false, false, false, 1, each, false, {}},
+      {2, false, false, false, 1, each, false, {}},  {3, false, false, false, 1, each, false, {}},
+      {3, false, false, false, 1, each, true, {}},   {3, false, false, false, 1, each, false, 0},
+      {2, false, false, false, 3, each, false, {}},  {2, false, false, false, 3, boundary, false, {}},
+      {1, false, false, false, 2, each, false, {}},  {1, true, false, false, 1, each, false, {}},
+      {2, true, false, false, 1, each, false, {}},   {2, true, false, true, 1, each, false, {}},
+      {3, true, false, false, 2, each, true, {}},    {3, true, true, false, 1, each, true, {}},
+  };
+  const auto units = awkward_units();
+  for (const Case& k : cases) {
+    CAPTURE(k.stage);
+    CAPTURE(k.offload);
+    CAPTURE(k.offload_params);
+    CAPTURE(k.delayed);
+    CAPTURE(k.accumulation);
+    CAPTURE(k.checkpointing);
+    EngineOptions o;
+    o.stage = k.stage;
+    o.accumulation_steps = k.accumulation;
+    o.accumulation = k.mode;
+    o.ema.decay = 0.9;
+    o.offload = {.optimizer = k.offload, .params = k.offload_params, .delayed_update = k.delayed};
+    o.buckets.cache_bytes = k.cache;
+    o.buckets.alignment_elements = 64;
+
+    plan::PlanInput in;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      plan::PlanUnit unit{"u" + std::to_string(u), {}, /*checkpointed=*/u != 0};  // the first, like an embedding, is not
+      for (const ParamSpec& p : units[u]) unit.tensors.push_back(p.numel);
+      in.units.push_back(unit);
+    }
+    in.world_size = comm.size();
+    in.engine = o;
+    in.activation_checkpointing = k.checkpointing;
+    const plan::Plan predicted = plan::make_plan(in);
+
+    Engine engine(units, o, comm, *backend);
+    std::vector<bool> recomputed(units.size());
+    for (std::size_t u = 0; u < units.size(); ++u) recomputed[u] = k.checkpointing && in.units[u].checkpointed;
+    const MemoryByCategory persistent = engine.memory();
+    run_model_steps(engine, recomputed, 2);
+    const TransientMemory used = engine.transient_memory();
+
+    CHECK(predicted.padded_numel == engine.layout().padded_numel());
+    CHECK(predicted.model_state.params == persistent.params);
+    CHECK(predicted.model_state.grads == persistent.grads);
+    CHECK(predicted.model_state.master == persistent.master);
+    CHECK(predicted.model_state.optimizer_state == persistent.optimizer_state);
+    CHECK(predicted.model_state.ema == persistent.ema);
+    CHECK(predicted.host_state.total() == engine.host_memory().total());
+    CHECK(predicted.host_state.buffers == engine.host_memory().buffers);
+    CHECK(predicted.engine.gathered_units == used.gathered_units_at_peak);
+    CHECK(predicted.engine.bucket_buffers == used.bucket_buffers_at_peak);
+    CHECK(predicted.engine.cached_blocks == used.cached_blocks_at_peak);
+    CHECK(predicted.engine.at_step_end == used.now);
+    // And the accounting is the memory model's formula.
+    CHECK(predicted.model_state.model_state() == engine.predicted_model_state().model_state());
   }
 }

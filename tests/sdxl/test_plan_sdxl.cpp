@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "sdxl_calibration.hpp"
 #include "unet_config.hpp"
 #include "unet_param_count.hpp"
 #include "zero/engine/engine.hpp"
@@ -23,7 +24,10 @@ plan::PlanInput sdxl_trainer(int stage, int batch) {
   EngineOptions options;  // the trainer's: AdamW, bf16, 128-element alignment, 2 reductions in flight
   options.stage = stage;
   options.ema.decay = 0.9999;
-  plan::PlanInput in = plan::input_from_engine_options(options, 1);
+  plan::PlanInput in;
+  in.engine = options;
+  in.world_size = 1;
+  sdxl::calibration::apply(in, 2567463684);
   in.units = sdxl::plan_units(sdxl::UNetConfig::sdxl_base());
   in.model_name = "sdxl-base";
   in.activations = sdxl::plan_activations(sdxl::UNetConfig::sdxl_base(), 128);
@@ -122,7 +126,7 @@ TEST_CASE("plan: unet_bench (forward+backward only), predicted vs measured peak 
   // blocks' recompute). That last term is bench-only: 0.94 GiB per sample
   // with checkpointing (set by the batch-1 checkpointed run), 0 without.
   const double weights = 2567463684.0 * 2 / kGiB, grads = weights;
-  const plan::ActivationModel model = plan::ActivationModel::sdxl_unet();
+  const plan::ActivationModel model = sdxl::calibration::activation_model();
   struct Run {
     int batch;
     bool checkpointing;

@@ -167,7 +167,7 @@ ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& opt
   host_values.clear();
 
   const auto tensor_options = torch::TensorOptions().device(device_).dtype(param_type_);
-  const bool stage3 = engine_->options().stage == 3;
+  const bool stage3 = engine_->plan().gathers_units;
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];
     const Bucket& bucket = engine_->layout().buckets()[u];
@@ -270,7 +270,7 @@ void ShardedModel::bind_gradients_to_engine() {
 }
 
 void ShardedModel::wait_for_parameters() {
-  if (engine_->options().stage >= 3) return;
+  if (engine_->plan().gathers_units) return;
   for (std::size_t u = 0; u < units_.size(); ++u) engine_->gather_unit(u);
 }
 

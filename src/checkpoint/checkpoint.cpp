@@ -23,6 +23,11 @@ using Json = nlohmann::json;
 
 namespace {
 
+/// The format name of version-1 manifests, written by the example trainer
+/// before the manifest was the library's (read, never written).
+constexpr std::string_view kCheckpointFormatV1 = "zero.sdxl.checkpoint";
+
+
 constexpr int kMaxWorldSize = 1 << 20;
 
 // ---------------------------------------------------------------- messages

@@ -11,7 +11,7 @@
 // shard is named before anything is loaded from it.
 //
 // The functions here are MPI-agnostic: who writes which file, and the gather
-// of the checksums, is the caller's business (examples/sdxl/train.cpp shows
+// of the checksums, is the caller's business (the example trainer shows
 // one way). docs/checkpoints.md describes the format; the `zero-ckpt` tool
 // inspects, verifies and consolidates folders with these functions.
 #pragma once
@@ -34,8 +34,6 @@ namespace zero::io {
 
 inline constexpr std::string_view kCheckpointFormat = "zero.checkpoint";
 inline constexpr int kCheckpointVersion = 2;
-/// The format name of version-1 manifests (the SDXL trainer's first ones).
-inline constexpr std::string_view kCheckpointFormatV1 = "zero.sdxl.checkpoint";
 inline constexpr std::string_view kManifestName = "manifest.json";
 /// Manifests larger than this are refused unread (the config text included,
 /// real ones are a few kilobytes).
@@ -78,7 +76,7 @@ struct ManifestLayout {
 };
 
 /// Everything manifest.json holds. Version 2 has every field; version 1
-/// (format "zero.sdxl.checkpoint") only step, world_size, stage, files and
+/// (the example trainer's first format) only step, world_size, stage, files and
 /// config, the others are left at their defaults and `version` says so.
 struct CheckpointManifest {
   int version = kCheckpointVersion;
@@ -89,8 +87,8 @@ struct CheckpointManifest {
   ManifestOptimizer optimizer;
   double loss_scale = 1;
   ManifestLayout layout;
-  /// Where the data stream stands, as string key/values (the SDXL trainer's
-  /// sampler.* entries); empty when the writer has none.
+  /// Where the data stream stands, as string key/values (the example
+  /// trainer's sampler.* entries); empty when the writer has none.
   std::map<std::string, std::string> data_position;
   /// The seed the writer derives its random streams from (with the step).
   std::optional<std::uint64_t> seed;

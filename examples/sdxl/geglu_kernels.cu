@@ -29,11 +29,14 @@
 #include <type_traits>
 
 #include "geglu_kernels.hpp"
-#include "kernel_elements.cuh"
 #include "zero/core/error.hpp"
+#include "zero/cuda/elements.cuh"
 
 namespace sdxl::cuda {
 namespace {
+
+using zero::cuda::from_float;
+using zero::cuda::to_float;
 
 constexpr int kChunk = 8;
 constexpr int kThreads = 256;

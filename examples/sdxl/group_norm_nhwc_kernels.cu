@@ -46,10 +46,13 @@
 #include <type_traits>
 
 #include "group_norm_nhwc_kernels.hpp"
-#include "kernel_elements.cuh"
+#include "zero/cuda/elements.cuh"
 
 namespace sdxl::cuda {
 namespace {
+
+using zero::cuda::from_float;
+using zero::cuda::to_float;
 
 constexpr int kMaxThreads = 512;
 // Memory-level parallelism: every streaming kernel keeps about 30 KiB of loads

@@ -15,11 +15,11 @@
 
 #include <chrono>
 #include <optional>
-#include <set>
 #include <fstream>
 #include <iostream>
 
 #include "attention_backend.hpp"
+#include "profile_trace.hpp"
 #include "unet.hpp"
 #include "zero/core/dtype.hpp"
 
@@ -28,7 +28,6 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 #endif
 
 namespace {
@@ -140,16 +139,11 @@ int main(int argc, char** argv) {
     }
 #ifdef UNET_BENCH_CUDA_STATS
     if (!profile_path.empty()) {
-      namespace prof = torch::autograd::profiler;
-      const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
-      const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU,
-                                                                     torch::profiler::impl::ActivityType::CUDA};
-      prof::prepareProfiler(config, activities);
-      prof::enableProfiler(config, activities);
+      sdxl::start_profile_trace();
       if (graph) graph->replay();
       else run_step();
       synchronize(device);
-      prof::disableProfiler()->save(profile_path);
+      sdxl::save_profile_trace(profile_path);
       std::cout << "profile of one step written to " << profile_path << "\n";
     }
 #endif

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "zero/cuda/check.hpp"
+#include "zero/cuda/elements.cuh"
 #include "zero/cuda/kernels.hpp"
 
 namespace zero::gpu {
@@ -43,19 +44,8 @@ constexpr std::size_t kNoVector = std::numeric_limits<std::size_t>::max();
 
 struct NoCopy {};  // "no model copy" in the optimizer kernels' template
 
-template <typename T>
-__device__ __forceinline__ float to_float(T value) {
-  if constexpr (std::is_same_v<T, float>) return value;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(value);
-  else return __half2float(value);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float value) {
-  if constexpr (std::is_same_v<T, float>) return value;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(value);
-  else return __float2half_rn(value);
-}
+using zero::cuda::from_float;
+using zero::cuda::to_float;
 
 // 16-bit pairs packed in a 32-bit word, low element first (little endian).
 template <typename T>

@@ -1,0 +1,125 @@
+// DeviceRuntime where zero has CUDA and LibTorch has CUDA: device = "cuda"
+// runs on a GPU, device = "cpu" on the host as in the CPU-only build.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include "device_runtime.hpp"
+#include "zero/comm/nccl_communicator.hpp"
+#include "zero/comm/staged_communicator.hpp"
+#include "zero/cuda/check.hpp"
+#include "zero/cuda/cuda_backend.hpp"
+
+namespace sdxl {
+
+// ------------------------------------------------------------------ the device
+
+DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host) : host_(host) {
+  if (cfg.device != "cuda") {
+    backend_ = zero::make_host_backend();
+    return;
+  }
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  ZERO_CHECK(gpus > 0, "device = cuda but no GPU is visible");
+  const int index = host.local_rank() % gpus;
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  if (host.local_size() <= gpus)
+    device_comm_ = std::make_unique<zero::NcclCommunicator>(host.mpi_comm(), zero::NcclOptions{.device = index});
+  else
+    device_comm_ = std::make_unique<zero::StagedCommunicator>(host);
+  if (cfg.cuda_graph) {
+    // A graph cannot be captured on the legacy default stream, and each
+    // parameter's gradient accumulator runs on the stream the parameter
+    // was first used on: the whole run goes on one pool stream.
+    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(index)));
+  }
+  backend_ = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
+  // Shapes are fixed per bucket: timing the algorithms once pays back.
+  at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark);
+}
+
+DeviceRuntime::~DeviceRuntime() = default;
+
+void DeviceRuntime::synchronize() {
+  if (device_.is_cuda()) ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+DeviceMemory DeviceRuntime::settled_memory() {
+  ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  std::size_t free_bytes = 0, total_bytes = 0;
+  ZERO_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return {.in_use = total_bytes - free_bytes, .total = total_bytes};
+}
+
+void DeviceRuntime::limit_torch_memory(double fraction) {
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
+}
+
+std::optional<std::size_t> DeviceRuntime::memory_in_use() const {
+  if (!device_.is_cuda()) return std::nullopt;
+  std::size_t free = 0, total = 0;
+  cudaMemGetInfo(&free, &total);
+  return total - free;
+}
+
+// ------------------------------------------------------------------ the captured micro-step
+
+struct GraphedMicroStep::Captured {
+  at::cuda::CUDAGraph graph;
+  torch::autograd::variable_list static_inputs;
+  torch::Tensor loss;
+};
+
+GraphedMicroStep::GraphedMicroStep(zero::adapter::ShardedModel& sharded) : sharded_(sharded) {}
+
+GraphedMicroStep::~GraphedMicroStep() = default;
+
+torch::Tensor GraphedMicroStep::run(const torch::autograd::variable_list& inputs, const Body& body) {
+  sharded_.wait_for_parameters();  // stage 1: the gathers step() left in flight
+  if (!captured_) {
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    ZERO_CHECK(stream != c10::cuda::getDefaultCUDAStream(stream.device_index()),
+               "cuda_graph: the current stream is the default stream, which cannot be captured");
+    torch::autograd::variable_list static_inputs;
+    for (const torch::Tensor& t : inputs) static_inputs.push_back(t.defined() ? t.clone() : t);
+    // The eager step's activations are cached, unused, in the allocator;
+    // give them back so that the graph's own pool does not double them.
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    captured_ = std::make_unique<Captured>();
+    captured_->static_inputs = std::move(static_inputs);
+    captured_->graph.capture_begin();
+    try {
+      captured_->loss = body(captured_->static_inputs);
+    } catch (const std::exception& e) {
+      // End the broken capture so that this error is what surfaces, not
+      // every later CUDA call failing.
+      cudaGraph_t broken = nullptr;
+      (void)cudaStreamEndCapture(stream.stream(), &broken);
+      if (broken) (void)cudaGraphDestroy(broken);
+      (void)cudaGetLastError();
+      ZERO_THROW(zero::Error, "[device] cuda_graph: capturing forward and backward failed: ", e.what());
+    }
+    captured_->graph.capture_end();
+  } else {
+    torch::autograd::variable_list& static_inputs = captured_->static_inputs;
+    ZERO_CHECK(inputs.size() == static_inputs.size(), "cuda_graph: ", inputs.size(), " inputs, captured with ",
+               static_inputs.size());
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) continue;
+      ZERO_CHECK(inputs[i].sizes() == static_inputs[i].sizes(), "cuda_graph: input ", i, " has shape ",
+                 inputs[i].sizes(), ", the captured step had ", static_inputs[i].sizes(),
+                 " (every step must have the same shapes)");
+      static_inputs[i].copy_(inputs[i]);
+    }
+  }
+  captured_->graph.replay();
+  return captured_->loss;
+}
+
+}  // namespace sdxl

@@ -1,0 +1,100 @@
+#include "train_checkpoint.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "zero/io/checkpoint.hpp"
+#include "zero/io/crc32c.hpp"
+#include "zero/io/safetensors.hpp"
+
+namespace sdxl {
+
+namespace fs = std::filesystem;
+
+namespace {
+fs::path checkpoints_root(const TrainConfig& c) { return fs::path(c.output_dir) / "checkpoints"; }
+}  // namespace
+
+void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
+                     zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
+  const fs::path dir = zero::io::checkpoint_folder(checkpoints_root(c), step);
+  const std::string own = zero::io::rank_file_name(comm.rank());
+  if (comm.rank() == 0) {
+    fs::create_directories(dir);
+    std::error_code ec;
+    fs::remove(dir / zero::io::kManifestName, ec);
+  }
+  host.barrier();
+  std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
+  for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
+  model.engine().save_state((dir / own).string(), metadata);
+  // Every rank checksums its own file; rank 0 lists them all in the manifest.
+  std::uint32_t crc = zero::io::file_crc32c(dir / own);
+  std::vector<std::uint32_t> crcs(static_cast<std::size_t>(comm.size()));
+  MPI_Request gather = MPI_REQUEST_NULL;
+  ZERO_CHECK_MPI(MPI_Igather(&crc, 1, MPI_UINT32_T, crcs.data(), 1, MPI_UINT32_T, 0, host.mpi_comm(), &gather));
+  host.wait_request(&gather, "checkpoint checksum gather");
+  host.barrier();
+  if (comm.rank() == 0) {
+    zero::io::CheckpointManifest manifest;
+    zero::io::describe_engine(model.engine(), manifest);
+    manifest.step = step;
+    manifest.world_size = comm.size();
+    manifest.data_position = sampler.to_metadata();
+    manifest.seed = static_cast<std::uint64_t>(c.seed);  // noise and timesteps derive from (seed, step)
+    manifest.config = c.to_toml();
+    for (int r = 0; r < comm.size(); ++r) {
+      const std::string name = zero::io::rank_file_name(r);
+      manifest.files.push_back({name, fs::file_size(dir / name), crcs[static_cast<std::size_t>(r)]});
+    }
+    zero::io::write_manifest(dir, manifest);
+    zero::io::rotate_checkpoints(checkpoints_root(c), static_cast<std::size_t>(c.keep_checkpoints));
+  }
+  host.barrier();
+}
+
+Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm) {
+  if (c.resume.empty()) return {};
+  fs::path dir = c.resume;
+  if (c.resume == "latest") {
+    auto all = zero::io::list_complete_checkpoints(checkpoints_root(c));
+    if (all.empty()) {
+      if (comm.rank() == 0) std::printf("resume: no complete checkpoint under %s; starting fresh\n", c.output_dir.c_str());
+      return {};
+    }
+    dir = all.back().path;
+  }
+  const fs::path manifest_path = dir / zero::io::kManifestName;
+  ZERO_CHECK(fs::exists(manifest_path), "resume: ", manifest_path.string(),
+             " is missing (an interrupted save, or not a checkpoint folder)");
+  const zero::io::CheckpointManifest manifest = zero::io::read_manifest(manifest_path);
+  const int old_world = manifest.world_size;
+  const fs::path shard = dir / zero::io::rank_file_name(std::min(comm.rank(), old_world - 1));
+  if (old_world == comm.size()) {
+    zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(comm.rank()));
+    model.engine().load_state((dir / zero::io::rank_file_name(comm.rank())).string());
+  } else {
+    // Another number of ranks: every rank reads its new slices from the old shards.
+    std::vector<std::string> files;
+    for (int r = 0; r < old_world; ++r) {
+      zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(r));
+      files.push_back((dir / zero::io::rank_file_name(r)).string());
+    }
+    model.engine().load_state_resharded(files);
+    if (comm.rank() == 0)
+      std::printf("resharded the checkpoint from %d to %d ranks (keep the global batch: batch_size x ranks)\n",
+                  old_world, comm.size());
+  }
+  Resumed r;
+  r.step = manifest.step;
+  const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);
+  r.sampler = data::SamplerState::from_metadata(file.metadata());
+  if (comm.rank() == 0) std::printf("resumed from %s at step %lld\n", dir.string().c_str(), static_cast<long long>(r.step));
+  return r;
+}
+
+}  // namespace sdxl

@@ -91,7 +91,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   zero::EngineOptions options;
   options.stage = static_cast<int>(cfg.stage);
   options.param_dtype = dtype_of(cfg.precision);
-  options.bucket_bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
+  options.buckets.bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
   options.accumulation_steps = static_cast<int>(cfg.accumulation);
   options.accumulation = cfg.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                              : zero::GradAccumulation::reduce_each_micro_step;
@@ -99,12 +99,12 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.optimizer = {.kind = zero::parse_optimizer_kind(cfg.optimizer, "optimizer"), .lr = cfg.lr,
                        .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
                        .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
-  options.ema_decay = cfg.ema_decay;
+  options.ema.decay = cfg.ema_decay;
   options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
-  options.offload_optimizer = cfg.offload_optimizer;
-  options.offload_params = cfg.offload_params;
-  options.offload_delayed_update = cfg.offload_delayed_update;
-  options.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
+  options.offload.optimizer = cfg.offload_optimizer;
+  options.offload.params = cfg.offload_params;
+  options.offload.delayed_update = cfg.offload_delayed_update;
+  options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
   return options;
 }
 

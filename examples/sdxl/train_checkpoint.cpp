@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "zero/io/checkpoint.hpp"
+#include "zero/checkpoint/checkpoint.hpp"
 #include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 

@@ -2,7 +2,7 @@
 // resume from one (at the same or another number of ranks).
 //
 // output_dir/checkpoints/step-00000100/{rank-00000.safetensors ..., manifest.json}
-// (zero/io/checkpoint.hpp, docs/checkpoints.md). The manifest is written
+// (zero/checkpoint/checkpoint.hpp, docs/checkpoints.md). The manifest is written
 // last, atomically, by rank 0 after every rank has finished its file: a
 // folder without it is an interrupted save and ignored.
 #pragma once

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "sdxl_calibration.hpp"
 #include "unet_param_count.hpp"
 #include "zero/engine/memory_model.hpp"
 
@@ -26,7 +27,10 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
 /// checkpointing, latent size), before anything is allocated.
 zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
                           int ranks_per_host) {
-  zero::plan::PlanInput in = zero::plan::input_from_engine_options(options, world);
+  zero::plan::PlanInput in;
+  in.engine = options;
+  in.world_size = world;
+  sdxl::calibration::apply(in, static_cast<std::size_t>(count_parameters(ucfg)));
   in.units = sdxl::plan_units(ucfg);
   in.model_name = c.model_config;
   in.activations = sdxl::plan_activations(ucfg, c.latent_size);
@@ -57,7 +61,7 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
     // them (each free then waits for the device; that is what the cap
     // costs), where that is what lets the run fit.
     zero::EngineOptions uncached = options;
-    uncached.buffer_cache_bytes = 0;
+    uncached.buckets.cache_bytes = 0;
     zero::plan::Plan uncached_plan = plan_run(c, ucfg, uncached, world, ranks_per_host);
     if (uncached_plan.gpu_peak_lower() <= cap) {
       options = uncached;
@@ -78,7 +82,7 @@ void apply_gpu_memory_cap(const TrainConfig& c, std::size_t cap, const zero::Eng
   const DeviceMemory settled = runtime.settled_memory();
   const std::size_t outside = settled.in_use;  // context, NCCL, the engine's buffers
   // The engine's transient buffers at their peak (gradient buckets and
-  // scratch in flight, gathered units, cached blocks), replayed by the planner.
+  // scratch in flight, gathered units, cached blocks), as the planner ran them.
   const std::size_t transient = plan.engine.peak();
   if (outside + transient >= cap)
     ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", zero::format_bytes(outside),

@@ -31,6 +31,7 @@ message(STATUS "zero: CUDA ${CUDAToolkit_VERSION}, NCCL ${NCCL_VERSION} (${NCCL_
 # flags (-Wall -Wextra) are not nvcc options, and the kernels want their own.
 add_library(zero_cuda_objects OBJECT
   ${PROJECT_SOURCE_DIR}/src/cuda/optimizer_kernels.cu
+  ${PROJECT_SOURCE_DIR}/src/cuda/grad_stats_kernels.cu
   ${PROJECT_SOURCE_DIR}/src/cuda/cuda_backend.cu)
 target_include_directories(zero_cuda_objects PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src/cuda)
 target_link_libraries(zero_cuda_objects PRIVATE CUDA::cudart NCCL::NCCL MPI::MPI_CXX)

@@ -117,6 +117,88 @@ std::unique_ptr<CachedDataset> CachedDataset::open(const std::filesystem::path& 
   return dataset;
 }
 
+namespace {
+
+/// index.json's "shards": file names inside the directory, each once.
+std::vector<ShardRecord> read_shard_records(const Json& index, const std::filesystem::path& path) {
+  std::vector<ShardRecord> shards;
+  const Json& listed = member(index, "shards", "index", path);
+  if (!listed.is_array()) SDXL_BAD_FILE(path, "field 'shards' must be an array");
+  std::set<std::string> shard_names;
+  for (std::size_t s = 0; s < listed.size(); ++s) {
+    const std::string where = "shards[" + std::to_string(s) + "]";
+    ShardRecord shard;
+    shard.file = string_field(member(listed[s], "file", where, path), where + ".file", path);
+    if (!is_plain_file_name(shard.file))
+      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' must be a file name inside the dataset directory");
+    if (!shard_names.insert(shard.file).second)
+      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' is listed twice");
+    shard.num_samples = static_cast<std::size_t>(
+        integer(member(listed[s], "num_samples", where, path), where + ".num_samples", path, 1));
+    shard.size = static_cast<std::uint64_t>(
+        integer(member(listed[s], "size", where, path), where + ".size", path, 8));
+    if (auto it = listed[s].find("sha256"); it != listed[s].end())
+      shard.sha256 = string_field(*it, where + ".sha256", path);
+    shards.push_back(std::move(shard));
+  }
+
+  return shards;
+}
+
+/// index.json's "samples": each pointing at a listed shard, keys unique per
+/// shard, and as many per shard as the shard declares.
+std::vector<SampleRecord> read_sample_records(const Json& index, const std::vector<ShardRecord>& shards,
+                                              const std::filesystem::path& path) {
+  std::vector<SampleRecord> records;
+  const Json& samples = member(index, "samples", "index", path);
+  if (!samples.is_array()) SDXL_BAD_FILE(path, "field 'samples' must be an array");
+  const std::int64_t declared = integer(member(index, "num_samples", "index", path), "num_samples", path, 0);
+  if (static_cast<std::size_t>(declared) != samples.size())
+    SDXL_BAD_FILE(path, "num_samples is ", declared, " but 'samples' holds ", samples.size(), " records");
+  if (samples.empty()) SDXL_BAD_FILE(path, "the dataset holds no samples");
+
+  std::vector<std::size_t> per_shard(shards.size(), 0);
+  std::vector<std::set<std::string>> keys(shards.size());
+  records.reserve(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const std::string where = "samples[" + std::to_string(i) + "]";
+    const Json& entry = samples[i];
+    SampleRecord record;
+    const std::int64_t shard = integer(member(entry, "shard", where, path), where + ".shard", path, 0);
+    if (static_cast<std::size_t>(shard) >= shards.size())
+      SDXL_BAD_FILE(path, where, " points at shard ", shard, " but the index lists ", shards.size(),
+                    " shards");
+    record.shard = static_cast<std::size_t>(shard);
+    record.key = string_field(member(entry, "key", where, path), where + ".key", path);
+    if (record.key.empty()) SDXL_BAD_FILE(path, where, ".key is empty");
+    if (!keys[record.shard].insert(record.key).second)
+      SDXL_BAD_FILE(path, where, ".key '", record.key, "' is used twice in shard ", shards[record.shard].file);
+    const auto shape = int_array(member(entry, "latent_shape", where, path), 3, where + ".latent_shape", path, 1);
+    if (shape[0] != kLatentChannels)
+      SDXL_BAD_FILE(path, where, ".latent_shape is ", shape_text(shape), ", expected [", kLatentChannels,
+                    ",h,w]");
+    record.latent_size = {shape[1], shape[2]};
+    record.original_size =
+        pair_of(int_array(member(entry, "original_size", where, path), 2, where + ".original_size", path, 1));
+    record.crop_top_left =
+        pair_of(int_array(member(entry, "crop_top_left", where, path), 2, where + ".crop_top_left", path, 0));
+    record.target_size =
+        pair_of(int_array(member(entry, "target_size", where, path), 2, where + ".target_size", path, 1));
+    if (auto it = entry.find("caption"); it != entry.end() && !it->is_null())
+      record.caption = string_field(*it, where + ".caption", path);
+    ++per_shard[record.shard];
+    records.push_back(std::move(record));
+  }
+  for (std::size_t s = 0; s < shards.size(); ++s) {
+    if (per_shard[s] != shards[s].num_samples)
+      SDXL_BAD_FILE(path, "shard ", shards[s].file, " declares ", shards[s].num_samples,
+                    " samples but ", per_shard[s], " sample records point at it");
+  }
+  return records;
+}
+
+}  // namespace
+
 void CachedDataset::load_index() {
   const std::filesystem::path path = directory_ / kIndexFileName;
   std::error_code error;
@@ -158,70 +240,8 @@ void CachedDataset::load_index() {
   text_dims_.pooled_width =
       integer(member(text_dims, "pooled_width", "text", path), "text.pooled_width", path, 1);
 
-  const Json& shards = member(index, "shards", "index", path);
-  if (!shards.is_array()) SDXL_BAD_FILE(path, "field 'shards' must be an array");
-  std::set<std::string> shard_names;
-  for (std::size_t s = 0; s < shards.size(); ++s) {
-    const std::string where = "shards[" + std::to_string(s) + "]";
-    ShardRecord shard;
-    shard.file = string_field(member(shards[s], "file", where, path), where + ".file", path);
-    if (!is_plain_file_name(shard.file))
-      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' must be a file name inside the dataset directory");
-    if (!shard_names.insert(shard.file).second)
-      SDXL_BAD_FILE(path, where, ".file '", shard.file, "' is listed twice");
-    shard.num_samples = static_cast<std::size_t>(
-        integer(member(shards[s], "num_samples", where, path), where + ".num_samples", path, 1));
-    shard.size = static_cast<std::uint64_t>(
-        integer(member(shards[s], "size", where, path), where + ".size", path, 8));
-    if (auto it = shards[s].find("sha256"); it != shards[s].end())
-      shard.sha256 = string_field(*it, where + ".sha256", path);
-    shards_.push_back(std::move(shard));
-  }
-
-  const Json& samples = member(index, "samples", "index", path);
-  if (!samples.is_array()) SDXL_BAD_FILE(path, "field 'samples' must be an array");
-  const std::int64_t declared = integer(member(index, "num_samples", "index", path), "num_samples", path, 0);
-  if (static_cast<std::size_t>(declared) != samples.size())
-    SDXL_BAD_FILE(path, "num_samples is ", declared, " but 'samples' holds ", samples.size(), " records");
-  if (samples.empty()) SDXL_BAD_FILE(path, "the dataset holds no samples");
-
-  std::vector<std::size_t> per_shard(shards_.size(), 0);
-  std::vector<std::set<std::string>> keys(shards_.size());
-  records_.reserve(samples.size());
-  for (std::size_t i = 0; i < samples.size(); ++i) {
-    const std::string where = "samples[" + std::to_string(i) + "]";
-    const Json& entry = samples[i];
-    SampleRecord record;
-    const std::int64_t shard = integer(member(entry, "shard", where, path), where + ".shard", path, 0);
-    if (static_cast<std::size_t>(shard) >= shards_.size())
-      SDXL_BAD_FILE(path, where, " points at shard ", shard, " but the index lists ", shards_.size(),
-                    " shards");
-    record.shard = static_cast<std::size_t>(shard);
-    record.key = string_field(member(entry, "key", where, path), where + ".key", path);
-    if (record.key.empty()) SDXL_BAD_FILE(path, where, ".key is empty");
-    if (!keys[record.shard].insert(record.key).second)
-      SDXL_BAD_FILE(path, where, ".key '", record.key, "' is used twice in shard ", shards_[record.shard].file);
-    const auto shape = int_array(member(entry, "latent_shape", where, path), 3, where + ".latent_shape", path, 1);
-    if (shape[0] != kLatentChannels)
-      SDXL_BAD_FILE(path, where, ".latent_shape is ", shape_text(shape), ", expected [", kLatentChannels,
-                    ",h,w]");
-    record.latent_size = {shape[1], shape[2]};
-    record.original_size =
-        pair_of(int_array(member(entry, "original_size", where, path), 2, where + ".original_size", path, 1));
-    record.crop_top_left =
-        pair_of(int_array(member(entry, "crop_top_left", where, path), 2, where + ".crop_top_left", path, 0));
-    record.target_size =
-        pair_of(int_array(member(entry, "target_size", where, path), 2, where + ".target_size", path, 1));
-    if (auto it = entry.find("caption"); it != entry.end() && !it->is_null())
-      record.caption = string_field(*it, where + ".caption", path);
-    ++per_shard[record.shard];
-    records_.push_back(std::move(record));
-  }
-  for (std::size_t s = 0; s < shards_.size(); ++s) {
-    if (per_shard[s] != shards_[s].num_samples)
-      SDXL_BAD_FILE(path, "shard ", shards_[s].file, " declares ", shards_[s].num_samples,
-                    " samples but ", per_shard[s], " sample records point at it");
-  }
+  shards_ = read_shard_records(index, path);
+  records_ = read_sample_records(index, shards_, path);
 }
 
 void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members) {

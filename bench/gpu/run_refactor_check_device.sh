@@ -37,7 +37,7 @@ if has build; then
   [ -d .before/.deps ] || cp -r .deps .before/.deps
   configure "$PWD/.before" "$BEFORE" || { tail -20 "$OUT_DIR/configure-$(basename "$BEFORE").log" | tee -a "$LOG"; exit 1; }
   configure "$PWD" "$AFTER" || { tail -20 "$OUT_DIR/configure-$(basename "$AFTER").log" | tee -a "$LOG"; exit 1; }
-  timeout 560 ninja -C "$AFTER" -j 10 train zero_gpu_engine_tests zero_gpu_tests zero_sdxl_geglu_tests \
+  timeout 560 ninja -C "$AFTER" -j 10 train unet_bench zero_gpu_engine_tests zero_gpu_tests zero_sdxl_geglu_tests \
     zero_sdxl_group_norm_nhwc_tests > "$OUT_DIR/build-after.log" 2>&1 &
   after=$!
   timeout 560 ninja -C "$BEFORE" -j 6 train > "$OUT_DIR/build-before.log" 2>&1

@@ -132,9 +132,12 @@ void require_string(std::string_view key, const json& value, std::initializer_li
   unsupported(key, value, list);
 }
 
-}  // namespace
+// ---------------------------------------------------------------- from_json in steps
 
-UNetConfig UNetConfig::from_json(std::string_view json_text) {
+// diffusers' config keys and their values: the document's, else the default.
+using Settings = std::map<std::string, json>;
+
+json parse_config_document(std::string_view json_text) {
   json doc;
   try {
     doc = json::parse(json_text.begin(), json_text.end());
@@ -147,10 +150,13 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
     ZERO_CHECK(it->is_string() && it->get<std::string>() == "UNet2DConditionModel",
                "UNet config key '_class_name' = ", describe(*it), ": only UNet2DConditionModel is supported");
   }
+  return doc;
+}
 
-  // Every key the model knows, with diffusers' default where the key is absent.
-  // Keys whose only supported value is the default are checked, then dropped.
-  const std::map<std::string, json> defaults = {
+// Every key the model knows, with diffusers' default where the key is absent.
+// Keys whose only supported value is the default are checked, then dropped.
+Settings diffusers_defaults() {
+  return {
       {"sample_size", nullptr},
       {"in_channels", 4},
       {"out_channels", 4},
@@ -200,15 +206,23 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
       {"cross_attention_norm", nullptr},
       {"addition_embed_type_num_heads", 64},
   };
-  std::map<std::string, json> v = defaults;
+}
+
+// The defaults, overridden by the document's keys; a key the model does not know is an error.
+Settings settings_of(const json& doc) {
+  const Settings defaults = diffusers_defaults();
+  Settings v = defaults;
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     if (!it.key().empty() && it.key()[0] == '_') continue;  // _class_name, _diffusers_version, _name_or_path
     ZERO_CHECK(defaults.count(it.key()) != 0, "UNet config key '", it.key(),
                "' is unknown to this UNet2DConditionModel implementation");
     v[it.key()] = it.value();
   }
+  return v;
+}
 
-  // Settings this model only implements at their default.
+// Settings this model only implements at their default.
+void require_defaults(Settings& v) {
   require_false("only_cross_attention", v["only_cross_attention"]);
   require_number("downsample_padding", v["downsample_padding"], 1);
   require_number("dropout", v["dropout"], 0.0);  // dropout would need RNG replay under recompute
@@ -233,8 +247,10 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   require_false("mid_block_only_cross_attention", v["mid_block_only_cross_attention"]);
   require_null("cross_attention_norm", v["cross_attention_norm"]);
   as_int(v["addition_embed_type_num_heads"], "addition_embed_type_num_heads");  // used by "text" only
+}
 
-  UNetConfig c;
+// The sample size, the channels in and out, and the timestep embedding's flip and shift.
+void read_input_settings(Settings& v, UNetConfig& c) {
   if (const json& s = v["sample_size"]; !s.is_null()) {
     if (s.is_array()) {
       for (const json& d : s) c.sample_size.push_back(as_int(d, "sample_size"));
@@ -248,7 +264,9 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   c.center_input_sample = as_bool(v["center_input_sample"], "center_input_sample", false);
   c.flip_sin_to_cos = as_bool(v["flip_sin_to_cos"], "flip_sin_to_cos", true);
   c.freq_shift = as_number(v["freq_shift"], "freq_shift");
+}
 
+void read_block_types(Settings& v, UNetConfig& c) {
   for (std::string name : as_string_list(v["down_block_types"], "down_block_types")) {
     // diffusers strips this prefix before dispatching on the block name.
     if (name.rfind("UNetRes", 0) == 0) name = name.substr(7);
@@ -276,7 +294,10 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
     require_string("mid_block_type", m, {"UNetMidBlock2DCrossAttn"});
     c.has_mid_block = true;
   }
+}
 
+// The per-level lists, one entry per down block.
+void read_level_settings(Settings& v, UNetConfig& c) {
   const std::size_t levels = c.down_block_types.size();
   ZERO_CHECK(levels > 0, "UNet config key 'down_block_types': must not be empty");
   ZERO_CHECK(v["block_out_channels"].is_array(), "UNet config key 'block_out_channels': expected a list");
@@ -296,7 +317,9 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   c.use_linear_projection = as_bool(v["use_linear_projection"], "use_linear_projection", false);
   // SDXL's published config has "upcast_attention": null, which diffusers treats as false.
   c.upcast_attention = as_bool(v["upcast_attention"], "upcast_attention", false);
+}
 
+void read_embedding_settings(Settings& v, UNetConfig& c) {
   if (const json& a = v["addition_embed_type"]; !a.is_null()) {
     require_string("addition_embed_type", a, {"text_time"});
     c.addition_embed_text_time = true;
@@ -314,7 +337,18 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   if (!v["time_embedding_dim"].is_null()) c.time_embedding_dim = as_int(v["time_embedding_dim"], "time_embedding_dim");
   c.conv_in_kernel = as_int(v["conv_in_kernel"], "conv_in_kernel");
   c.conv_out_kernel = as_int(v["conv_out_kernel"], "conv_out_kernel");
+}
 
+}  // namespace
+
+UNetConfig UNetConfig::from_json(std::string_view json_text) {
+  Settings v = settings_of(parse_config_document(json_text));
+  require_defaults(v);
+  UNetConfig c;
+  read_input_settings(v, c);
+  read_block_types(v, c);
+  read_level_settings(v, c);
+  read_embedding_settings(v, c);
   c.validate();
   return c;
 }

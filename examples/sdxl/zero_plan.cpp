@@ -68,117 +68,142 @@ std::size_t parse_count(const std::string& text) {
   return static_cast<std::size_t>(std::llround(value));
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"zero-plan: per-GPU and per-host memory of a zero training run, and the fastest configuration "
-               "that fits (docs/planner.md)"};
+// Every command-line setting, at its default.
+struct Options {
   std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
-  bool ema = false, offload = false, offload_params = false, delayed_update = false, checkpointing = false, json_output = false, fp32_accumulate = false;
-  auto* params_option = app.add_option("--params", params_text, "parameter count (e.g. 2.6e9), grouped into buckets");
-  auto* unet_option = app.add_option("--unet-config", unet_config,
+  bool ema = false, offload = false, offload_params = false, delayed_update = false, checkpointing = false,
+       json_output = false, fp32_accumulate = false, lower_bound = false;
+};
+
+void define_options(CLI::App& app, Options& o) {
+  auto* params_option = app.add_option("--params", o.params_text, "parameter count (e.g. 2.6e9), grouped into buckets");
+  auto* unet_option = app.add_option("--unet-config", o.unet_config,
                                      "sdxl-base, a diffusers UNet config.json, or a model folder: one unit per block");
   params_option->excludes(unet_option);
-  app.add_option("--world-size", world_size, "GPUs (ranks) N")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--gpus-per-host", gpus_per_host, "ranks sharing one host's memory")
+  app.add_option("--world-size", o.world_size, "GPUs (ranks) N")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--gpus-per-host", o.gpus_per_host, "ranks sharing one host's memory")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--stage", stage, "ZeRO stage 0-3")->capture_default_str()->check(CLI::Range(0, 3));
-  app.add_option("--precision", precision, "bf16, fp16 or fp32 (parameters and gradients)")
+  app.add_option("--stage", o.stage, "ZeRO stage 0-3")->capture_default_str()->check(CLI::Range(0, 3));
+  app.add_option("--precision", o.precision, "bf16, fp16 or fp32 (parameters and gradients)")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
-  app.add_option("--optimizer", optimizer, "adamw, lion or sgd (with momentum)")
+  app.add_option("--optimizer", o.optimizer, "adamw, lion or sgd (with momentum)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "lion", "sgd"}));
-  app.add_flag("--ema", ema, "an fp32 EMA of the weights");
-  app.add_flag("--offload-optimizer", offload, "master, optimizer state and EMA in pinned host memory (stages 1-3)");
-  app.add_flag("--offload-params", offload_params,
+  app.add_flag("--ema", o.ema, "an fp32 EMA of the weights");
+  app.add_flag("--offload-optimizer", o.offload, "master, optimizer state and EMA in pinned host memory (stages 1-3)");
+  app.add_flag("--offload-params", o.offload_params,
                "stage 3 with --offload-optimizer: the parameter shard in pinned host memory too");
-  app.add_flag("--delayed-update", delayed_update,
+  app.add_flag("--delayed-update", o.delayed_update,
                "with --offload-optimizer: the CPU update overlaps the next step (parameters one update old; "
                "doubles the host staging)");
-  app.add_option("--batch", batch, "samples per GPU and micro-step")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--accumulation", accumulation, "micro-steps per step")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--accumulation-mode", accumulation_mode, "each (reduce every micro-step) or boundary")
-      ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
-  app.add_flag("--checkpointing", checkpointing, "activation checkpointing (recompute each block in backward)");
-  app.add_option("--latent-size", latent_size, "latent height = width (128 = 1024x1024 pixels)")
+  app.add_option("--batch", o.batch, "samples per GPU and micro-step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--accumulation", o.accumulation, "micro-steps per step")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--bucket-mib", bucket_mib, "bucket size with --params")->capture_default_str();
-  app.add_option("--max-reductions-in-flight", in_flight, "engine option")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_flag("--fp32-accumulate", fp32_accumulate, "NCCL half reductions through fp32 scratch");
-  app.add_option("--activation-per-sample", per_sample_text, "override: activation bytes per sample (e.g. 2GiB)");
-  app.add_option("--activation-fixed", fixed_text, "override: activation bytes independent of the batch");
-  app.add_option("--runtime-overhead", overhead_text, "override: CUDA context + libraries + allocator slack per GPU");
-  app.add_option("--fit", fit_text, "GPU memory (e.g. 24GiB, 80G): propose the fastest configuration that fits");
-  app.add_option("--host-memory", host_text, "with --fit: pinned host memory per host (e.g. 512GiB)");
-  app.add_option("--margin", margin, "with --fit: safety margin (fraction of the GPU kept free)")->capture_default_str();
-  bool lower_bound = false;
-  app.add_flag("--lower-bound", lower_bound,
+  app.add_option("--accumulation-mode", o.accumulation_mode, "each (reduce every micro-step) or boundary")
+      ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
+  app.add_flag("--checkpointing", o.checkpointing, "activation checkpointing (recompute each block in backward)");
+  app.add_option("--latent-size", o.latent_size, "latent height = width (128 = 1024x1024 pixels)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--bucket-mib", o.bucket_mib, "bucket size with --params")->capture_default_str();
+  app.add_option("--max-reductions-in-flight", o.in_flight, "engine option")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("--fp32-accumulate", o.fp32_accumulate, "NCCL half reductions through fp32 scratch");
+  app.add_option("--activation-per-sample", o.per_sample_text, "override: activation bytes per sample (e.g. 2GiB)");
+  app.add_option("--activation-fixed", o.fixed_text, "override: activation bytes independent of the batch");
+  app.add_option("--runtime-overhead", o.overhead_text, "override: CUDA context + libraries + allocator slack per GPU");
+  app.add_option("--fit", o.fit_text, "GPU memory (e.g. 24GiB, 80G): propose the fastest configuration that fits");
+  app.add_option("--host-memory", o.host_text, "with --fit: pinned host memory per host (e.g. 512GiB)");
+  app.add_option("--margin", o.margin, "with --fit: safety margin (fraction of the GPU kept free)")->capture_default_str();
+  app.add_flag("--lower-bound", o.lower_bound,
                "with --fit: compare the peak's lower bound (refuse only what cannot fit) instead of its upper bound");
-  app.add_flag("--json", json_output, "JSON instead of the table");
+  app.add_flag("--json", o.json_output, "JSON instead of the table");
+}
+
+// The model: its units (or a parameter count) and its activation memory.
+void describe_model(const Options& o, zero::plan::PlanInput& in) {
+  if (!o.unet_config.empty()) {
+    const sdxl::UNetConfig config = unet_config_of(o.unet_config);
+    in.units = sdxl::plan_units(config);
+    in.model_name = o.unet_config;
+    in.activations = sdxl::plan_activations(config, o.latent_size);
+  } else {
+    in.param_count = parse_count(o.params_text);
+    in.model_name = o.params_text + " parameters";
+    in.activations = sdxl::calibration::scaled_activation_model(in.param_count);
+    in.activations.area_scale = static_cast<double>(o.latent_size * o.latent_size) / (128.0 * 128.0);
+  }
+  if (!o.per_sample_text.empty() || !o.fixed_text.empty()) {
+    const double per_sample = o.per_sample_text.empty()
+                                  ? 0.0
+                                  : static_cast<double>(zero::parse_bytes(o.per_sample_text, "--activation-per-sample"));
+    const double fixed =
+        o.fixed_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(o.fixed_text, "--activation-fixed"));
+    in.activations.per_sample_bytes_checkpointed = in.activations.per_sample_bytes_full = per_sample;
+    in.activations.fixed_bytes_checkpointed = in.activations.fixed_bytes_full = fixed;
+    in.activations.source = "given";
+  }
+}
+
+zero::plan::PlanInput plan_input_of(const Options& o) {
+  ZERO_CHECK(!o.params_text.empty() || !o.unet_config.empty(), "give --params N or --unet-config NAME");
+  zero::plan::PlanInput in;
+  describe_model(o, in);
+  in.runtime_overhead_bytes = sdxl::calibration::runtime_overhead_bytes();
+  in.speed = sdxl::calibration::speed_model();
+  if (!o.overhead_text.empty()) in.runtime_overhead_bytes = zero::parse_bytes(o.overhead_text, "--runtime-overhead");
+  in.world_size = o.world_size;
+  in.gpus_per_host = o.gpus_per_host;
+  in.engine.stage = o.stage;
+  in.engine.param_dtype = zero::parse_dtype(o.precision, "--precision");
+  in.engine.optimizer.kind = zero::parse_optimizer_kind(o.optimizer, "--optimizer");
+  if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default
+  in.engine.ema.decay = o.ema ? 0.9999 : 0.0;  // only on or off matters to memory
+  in.engine.offload.optimizer = o.offload;
+  in.engine.offload.params = o.offload_params;
+  in.engine.offload.delayed_update = o.delayed_update;
+  in.engine.accumulation_steps = o.accumulation;
+  in.engine.accumulation = o.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
+                                                             : zero::GradAccumulation::reduce_each_micro_step;
+  ZERO_CHECK(o.bucket_mib > 0, "--bucket-mib must be positive, got ", o.bucket_mib);
+  in.engine.buckets.bytes = static_cast<std::size_t>(o.bucket_mib * (1 << 20));
+  in.engine.buckets.max_reductions_in_flight = o.in_flight;
+  in.fp32_accumulate_reductions = o.fp32_accumulate;
+  in.batch = o.batch;
+  in.activation_checkpointing = o.checkpointing;
+  return in;
+}
+
+// Prints the plan, or with --fit the fastest configuration that fits; the exit status.
+int plan_or_fit(const Options& o, const zero::plan::PlanInput& in) {
+  if (o.fit_text.empty()) {
+    const zero::plan::Plan plan = zero::plan::make_plan(in);
+    std::fputs((o.json_output ? plan.to_json() + "\n" : plan.table()).c_str(), stdout);
+    return 0;
+  }
+  zero::plan::FitOptions options;
+  options.safety_margin = o.margin;
+  if (o.lower_bound) options.estimate = zero::plan::PeakEstimate::lower;
+  if (!o.host_text.empty()) options.host_bytes = parse_size(o.host_text, "--host-memory");
+  const std::size_t gpu_bytes = parse_size(o.fit_text, "--fit");
+  const zero::plan::FitResult result = zero::plan::fit(in, gpu_bytes, options);
+  std::fputs((o.json_output ? result.to_json() + "\n" : result.table()).c_str(), stdout);
+  return result.best ? 0 : kNothingFits;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"zero-plan: per-GPU and per-host memory of a zero training run, and the fastest configuration "
+               "that fits (docs/planner.md)"};
+  Options options;
+  define_options(app, options);
   CLI11_PARSE(app, argc, argv);
 
   try {
-    ZERO_CHECK(!params_text.empty() || !unet_config.empty(), "give --params N or --unet-config NAME");
-    zero::plan::PlanInput in;
-    if (!unet_config.empty()) {
-      const sdxl::UNetConfig config = unet_config_of(unet_config);
-      in.units = sdxl::plan_units(config);
-      in.model_name = unet_config;
-      in.activations = sdxl::plan_activations(config, latent_size);
-    } else {
-      in.param_count = parse_count(params_text);
-      in.model_name = params_text + " parameters";
-      in.activations = sdxl::calibration::scaled_activation_model(in.param_count);
-      in.activations.area_scale = static_cast<double>(latent_size * latent_size) / (128.0 * 128.0);
-    }
-    if (!per_sample_text.empty() || !fixed_text.empty()) {
-      const double per_sample =
-          per_sample_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(per_sample_text, "--activation-per-sample"));
-      const double fixed =
-          fixed_text.empty() ? 0.0 : static_cast<double>(zero::parse_bytes(fixed_text, "--activation-fixed"));
-      in.activations.per_sample_bytes_checkpointed = in.activations.per_sample_bytes_full = per_sample;
-      in.activations.fixed_bytes_checkpointed = in.activations.fixed_bytes_full = fixed;
-      in.activations.source = "given";
-    }
-    in.runtime_overhead_bytes = sdxl::calibration::runtime_overhead_bytes();
-    in.speed = sdxl::calibration::speed_model();
-    if (!overhead_text.empty()) in.runtime_overhead_bytes = zero::parse_bytes(overhead_text, "--runtime-overhead");
-    in.world_size = world_size;
-    in.gpus_per_host = gpus_per_host;
-    in.engine.stage = stage;
-    in.engine.param_dtype = zero::parse_dtype(precision, "--precision");
-    in.engine.optimizer.kind = zero::parse_optimizer_kind(optimizer, "--optimizer");
-    if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default
-    in.engine.ema.decay = ema ? 0.9999 : 0.0;  // only on or off matters to memory
-    in.engine.offload.optimizer = offload;
-    in.engine.offload.params = offload_params;
-    in.engine.offload.delayed_update = delayed_update;
-    in.engine.accumulation_steps = accumulation;
-    in.engine.accumulation = accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
-                                                      : zero::GradAccumulation::reduce_each_micro_step;
-    ZERO_CHECK(bucket_mib > 0, "--bucket-mib must be positive, got ", bucket_mib);
-    in.engine.buckets.bytes = static_cast<std::size_t>(bucket_mib * (1 << 20));
-    in.engine.buckets.max_reductions_in_flight = in_flight;
-    in.fp32_accumulate_reductions = fp32_accumulate;
-    in.batch = batch;
-    in.activation_checkpointing = checkpointing;
-
-    if (fit_text.empty()) {
-      const zero::plan::Plan plan = zero::plan::make_plan(in);
-      std::fputs((json_output ? plan.to_json() + "\n" : plan.table()).c_str(), stdout);
-      return 0;
-    }
-    zero::plan::FitOptions options;
-    options.safety_margin = margin;
-    if (lower_bound) options.estimate = zero::plan::PeakEstimate::lower;
-    if (!host_text.empty()) options.host_bytes = parse_size(host_text, "--host-memory");
-    const std::size_t gpu_bytes = parse_size(fit_text, "--fit");
-    const zero::plan::FitResult result = zero::plan::fit(in, gpu_bytes, options);
-    std::fputs((json_output ? result.to_json() + "\n" : result.table()).c_str(), stdout);
-    return result.best ? 0 : kNothingFits;
+    return plan_or_fit(options, plan_input_of(options));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "zero-plan: error: %s\n", e.what());
     return 1;

@@ -2,6 +2,7 @@
 // engine-aware parts live in consolidate.cpp), so that the manifest reader
 // builds alone into its fuzzer (tests/fuzz/fuzz_manifest.cpp).
 #include "../io/error_text.hpp"
+#include "../io/json_reader.hpp"
 #include "zero/checkpoint/checkpoint.hpp"
 
 #include <algorithm>
@@ -34,116 +35,13 @@ constexpr int kMaxWorldSize = 1 << 20;
 
 // At most 80 bytes of a string, cut on a UTF-8 character boundary.
 using detail::brief_text;
-
-// What a value is, for "found ..." in messages. Never Json::dump() of a
-// container: a hostile manifest may nest arrays a million deep.
-std::string found(const Json& value) {
-  switch (value.type()) {
-    case Json::value_t::null: return "null";
-    case Json::value_t::boolean: return value.get<bool>() ? "true" : "false";
-    case Json::value_t::string: return Json(brief_text(value.get_ref<const std::string&>())).dump();
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned:
-    case Json::value_t::number_float: return value.dump();
-    case Json::value_t::array: return "an array of " + std::to_string(value.size());
-    case Json::value_t::object: return "an object of " + std::to_string(value.size()) + " keys";
-    default: return "a " + std::string(value.type_name());
-  }
-}
+// What a value is, for "found ..." in messages.
+using detail::describe;
+// Typed getters naming each failure by its dotted path.
+using Reader = detail::JsonReader;
 
 // nlohmann's parse errors quote the input, which may be arbitrary bytes.
 std::string printable(std::string_view what) { return detail::printable_error_text(what, 300); }
-
-// ---------------------------------------------------------------- typed getters
-
-// Reads keys of one JSON object, naming each failure by its dotted path.
-class Reader {
- public:
-  Reader(const std::string& where, const Json& object, std::string prefix)
-      : where_(where), object_(object), prefix_(std::move(prefix)) {}
-
-  [[noreturn]] void fail(const std::string& key, std::string_view expected, const std::string& what) const {
-    ZERO_THROW(IoError, where_, ": key '", prefix_, key, "' should be ", expected, ", found ", what);
-  }
-
-  bool has(const char* key) const { return object_.contains(key); }
-
-  const Json& get(const char* key, std::string_view expected) const {
-    auto it = object_.find(key);
-    if (it == object_.end()) fail(key, expected, "nothing (the key is missing)");
-    return *it;
-  }
-
-  std::int64_t integer(const char* key, std::int64_t lo, std::int64_t hi, std::string_view expected) const {
-    const Json& v = get(key, expected);
-    if (v.is_number_integer() && !v.is_number_unsigned()) {
-      const auto x = v.get<std::int64_t>();
-      if (x >= lo && x <= hi) return x;
-    } else if (v.is_number_unsigned()) {
-      const auto x = v.get<std::uint64_t>();
-      if (hi >= 0 && x <= static_cast<std::uint64_t>(hi) && static_cast<std::int64_t>(x) >= lo)
-        return static_cast<std::int64_t>(x);
-    }
-    fail(key, expected, found(v));
-  }
-
-  std::uint64_t unsigned_integer(const char* key, std::uint64_t lo, std::uint64_t hi, std::string_view expected) const {
-    const Json& v = get(key, expected);
-    if (v.is_number_unsigned()) {
-      const auto x = v.get<std::uint64_t>();
-      if (x >= lo && x <= hi) return x;
-    } else if (v.is_number_integer()) {
-      const auto x = v.get<std::int64_t>();
-      if (x >= 0 && static_cast<std::uint64_t>(x) >= lo && static_cast<std::uint64_t>(x) <= hi)
-        return static_cast<std::uint64_t>(x);
-    }
-    fail(key, expected, found(v));
-  }
-
-  // A finite number (integers accepted) in [lo, hi]; lo excluded when `open_low`.
-  double number(const char* key, double lo, double hi, bool open_low, std::string_view expected) const {
-    const Json& v = get(key, expected);
-    if (v.is_number()) {
-      const double x = v.get<double>();
-      if (std::isfinite(x) && (open_low ? x > lo : x >= lo) && x <= hi) return x;
-    }
-    fail(key, expected, found(v));
-  }
-
-  bool boolean(const char* key) const {
-    const Json& v = get(key, "true or false");
-    if (!v.is_boolean()) fail(key, "true or false", found(v));
-    return v.get<bool>();
-  }
-
-  const std::string& string(const char* key, std::string_view expected = "a string") const {
-    const Json& v = get(key, expected);
-    if (!v.is_string()) fail(key, expected, found(v));
-    return v.get_ref<const std::string&>();
-  }
-
-  const std::string& one_of(const char* key, std::initializer_list<std::string_view> allowed,
-                            std::string_view expected) const {
-    const std::string& s = string(key, expected);
-    if (std::find(allowed.begin(), allowed.end(), s) == allowed.end()) fail(key, expected, found(get(key, expected)));
-    return s;
-  }
-
-  Reader object(const char* key) const {
-    const Json& v = get(key, "an object");
-    if (!v.is_object()) fail(key, "an object", found(v));
-    return Reader(where_, v, prefix_ + key + ".");
-  }
-
-  const Json& json() const { return object_; }
-  const std::string& where() const { return where_; }
-  const std::string& prefix() const { return prefix_; }
-
- private:
-  const std::string& where_;
-  const Json& object_;
-  std::string prefix_;
-};
 
 constexpr double kHuge = std::numeric_limits<double>::max();
 
@@ -151,16 +49,16 @@ void read_files(const Reader& root, CheckpointManifest& m) {
   const Json& files = root.get("files", "an array");
   const std::string expected = "an array of " + std::to_string(m.world_size) + " entries (one per rank, world_size)";
   if (!files.is_array() || files.size() != static_cast<std::size_t>(m.world_size))
-    root.fail("files", expected, found(files));
+    root.fail("files", expected, describe(files));
   m.files.reserve(files.size());
   for (std::size_t i = 0; i < files.size(); ++i) {
     const std::string index = "files[" + std::to_string(i) + "]";
-    if (!files[i].is_object()) root.fail(index, "an object {file, bytes, crc32c}", found(files[i]));
-    const Reader entry(root.where(), files[i], index + ".");
+    if (!files[i].is_object()) root.fail(index, "an object {file, bytes, crc32c}", describe(files[i]));
+    const Reader entry = root.nested(files[i], index);
     ManifestFile f;
     const std::string name = rank_file_name(static_cast<int>(i));
     f.file = entry.string("file", "\"" + name + "\"");
-    if (f.file != name) entry.fail("file", "\"" + name + "\"", found(files[i]["file"]));
+    if (f.file != name) entry.fail("file", "\"" + name + "\"", describe(files[i]["file"]));
     f.bytes = entry.unsigned_integer("bytes", 0, std::numeric_limits<std::uint64_t>::max(), "an integer >= 0");
     if (m.version >= 2 || entry.has("crc32c"))
       f.crc32c = static_cast<std::uint32_t>(
@@ -197,7 +95,7 @@ void read_training_state(const Reader& root, CheckpointManifest& m) {
 
   const Reader data = root.object("data_position");
   for (auto it = data.json().begin(); it != data.json().end(); ++it) {
-    if (!it->is_string()) root.fail("data_position." + brief_text(it.key()), "a string", found(*it));
+    if (!it->is_string()) root.fail("data_position." + brief_text(it.key()), "a string", describe(*it));
     m.data_position[it.key()] = it->get<std::string>();
   }
   const Reader rng = root.object("rng");
@@ -308,8 +206,9 @@ CheckpointManifest parse_manifest(std::string_view text, const std::string& wher
   } catch (const nlohmann::json::exception& e) {
     ZERO_THROW(IoError, where, ": not valid JSON: ", printable(e.what()));
   }
-  if (!root.is_object()) ZERO_THROW(IoError, where, ": should hold a JSON object, found ", found(root));
-  const Reader r(where, root, "");
+  if (!root.is_object()) ZERO_THROW(IoError, where, ": should hold a JSON object, found ", describe(root));
+  const std::string origin = where + ": ";
+  const Reader r(origin, root);
   CheckpointManifest m;
   const std::string& format = r.one_of("format", {kCheckpointFormat, kCheckpointFormatV1},
                                        R"("zero.checkpoint" (or "zero.sdxl.checkpoint" of version 1))");

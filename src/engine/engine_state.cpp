@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 
+#include "../io/json_reader.hpp"
 #include "engine_impl.hpp"
 #include "zero/engine/engine_state.hpp"
 #include "zero/io/safetensors.hpp"
@@ -363,61 +364,47 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
 // ---------------------------------------------------------------- saved shards (for tools)
 
 SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
+  using io::detail::JsonReader;
   const std::string path = file.path().string();
   const nlohmann::json state = shard_metadata(file, path);
-  auto fail = [&](const std::string& key, const char* expected) {
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': 'zero.engine' metadata key '", key, "' should be ", expected);
+  const std::string origin = "checkpoint shard '" + path + "': 'zero.engine' metadata ";
+  const JsonReader root(origin, state, "", JsonReader::Found::omitted);
+  if (!state.is_object()) root.fail("(root)", "an object");
+  auto integer = [](const JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
+    const nlohmann::json* v = in.find(key);
+    if (!v || !v->is_number_integer()) in.fail(key, "an integer");
+    if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
+    in.fail(key, "an integer in range");
   };
-  if (!state.is_object()) fail("(root)", "an object");
-  auto integer = [&](const nlohmann::json& in, const char* key, std::int64_t lo, std::int64_t hi,
-                     const std::string& prefix = "") -> std::int64_t {
-    auto it = in.find(key);
-    if (it == in.end() || !it->is_number_integer()) fail(prefix + key, "an integer");
-    if (it->is_number_unsigned() && it->get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
-      fail(prefix + key, "an integer in range");
-    const auto x = it->get<std::int64_t>();
-    if (x < lo || x > hi) fail(prefix + key, "an integer in range");
-    return x;
-  };
-  auto text = [&](const char* key) -> std::string {
-    auto it = state.find(key);
-    if (it == state.end() || !it->is_string()) fail(key, "a string");
-    return it->get<std::string>();
-  };
-  if (state.value("format", nlohmann::json()) != kShardFormat) fail("format", "\"zero.engine.shard\"");
-  if (state.value("version", nlohmann::json()) != kShardVersion) fail("version", "1");
+  if (state.value("format", nlohmann::json()) != kShardFormat) root.fail("format", "\"zero.engine.shard\"");
+  if (state.value("version", nlohmann::json()) != kShardVersion) root.fail("version", "1");
   SavedShard out;
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
-  out.rank = static_cast<int>(integer(state, "rank", 0, 1 << 20));
-  out.stage = static_cast<int>(integer(state, "stage", 0, 3));
-  out.step = integer(state, "step", 0, kMax);
-  out.param_dtype = text("param_dtype");
-  out.optimizer = text("optimizer");
-  out.state_slots = static_cast<int>(integer(state, "state_slots", 0, 2));
-  if (auto it = state.find("loss_scale"); it == state.end() || !it->is_number()) fail("loss_scale", "a number");
-  out.loss_scale = state["loss_scale"].get<double>();
-  auto lit = state.find("layout");
-  if (lit == state.end() || !lit->is_object()) fail("layout", "an object");
-  const nlohmann::json& layout = *lit;
-  out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20, "layout."));
-  if (out.rank >= out.world_size) fail("rank", "below layout.world_size");
-  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30, "layout."));
-  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax, "layout."));
-  auto pit = layout.find("params");
-  auto cit = layout.find("bucket_param_counts");
-  if (pit == layout.end() || !pit->is_array()) fail("layout.params", "an array");
-  if (cit == layout.end() || !cit->is_array()) fail("layout.bucket_param_counts", "an array");
+  out.rank = static_cast<int>(integer(root, "rank", 0, 1 << 20));
+  out.stage = static_cast<int>(integer(root, "stage", 0, 3));
+  out.step = integer(root, "step", 0, kMax);
+  out.param_dtype = root.string("param_dtype");
+  out.optimizer = root.string("optimizer");
+  out.state_slots = static_cast<int>(integer(root, "state_slots", 0, 2));
+  const nlohmann::json& loss_scale = root.get("loss_scale", "a number");
+  if (!loss_scale.is_number()) root.fail("loss_scale", "a number");
+  out.loss_scale = loss_scale.get<double>();
+  const JsonReader layout = root.object("layout");
+  out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20));
+  if (out.rank >= out.world_size) root.fail("rank", "below layout.world_size");
+  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
+  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
+  const nlohmann::json& params_json = layout.array("params");
+  const nlohmann::json& counts_json = layout.array("bucket_param_counts");
   std::vector<ParamSpec> params;
-  for (const nlohmann::json& p : *pit) {
-    if (!p.is_object() || !p.contains("name") || !p["name"].is_string())
-      fail("layout.params[].name", "a string");
-    ParamSpec spec{p["name"].get<std::string>(),
-                   static_cast<std::size_t>(integer(p, "numel", 0, std::int64_t{1} << 50, "layout.params[].")), {}};
-    if (auto sit = p.find("shape"); sit != p.end()) {
-      if (!sit->is_array()) fail("layout.params[].shape", "an array of integers >= 0");
-      for (const nlohmann::json& d : *sit) {
-        if (!d.is_number_integer() || d.get<std::int64_t>() < 0)
-          fail("layout.params[].shape", "an array of integers >= 0");
+  for (const nlohmann::json& p : params_json) {
+    const JsonReader param = layout.nested(p, "params[]");
+    ParamSpec spec{param.string("name"), static_cast<std::size_t>(integer(param, "numel", 0, std::int64_t{1} << 50)),
+                   {}};
+    if (const nlohmann::json* shape = param.find("shape")) {
+      if (!shape->is_array()) param.fail("shape", "an array of integers >= 0");
+      for (const nlohmann::json& d : *shape) {
+        if (!d.is_number_integer() || d.get<std::int64_t>() < 0) param.fail("shape", "an array of integers >= 0");
         spec.shape.push_back(d.get<std::int64_t>());
       }
     }
@@ -425,15 +412,15 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   }
   std::vector<std::vector<ParamSpec>> groups;
   std::size_t next = 0;
-  for (const nlohmann::json& c : *cit) {
+  for (const nlohmann::json& c : counts_json) {
     if (!c.is_number_unsigned() || c.get<std::size_t>() == 0 || c.get<std::size_t>() > params.size() - next)
-      fail("layout.bucket_param_counts", "counts >= 1 that add up to the number of parameters");
+      layout.fail("bucket_param_counts", "counts >= 1 that add up to the number of parameters");
     const std::size_t n = c.get<std::size_t>();
     groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
                         params.begin() + static_cast<std::ptrdiff_t>(next + n));
     next += n;
   }
-  if (next != params.size()) fail("layout.bucket_param_counts", "counts that add up to the number of parameters");
+  if (next != params.size()) layout.fail("bucket_param_counts", "counts that add up to the number of parameters");
   try {
     out.layout = FlatLayout::build_grouped(groups, {.world_size = out.world_size, .alignment = alignment});
   } catch (const InvalidArgument& e) {

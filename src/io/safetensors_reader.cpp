@@ -1,4 +1,8 @@
+// The safetensors reader: SafeTensorsFile maps a file (or takes bytes), checks
+// its header strictly (repeated keys, unknown fields, holes and overlaps in the
+// data section are refused) and hands out the tensors' bytes in place.
 #include "error_text.hpp"
+#include "safetensors_format.hpp"
 #include "zero/io/safetensors.hpp"
 
 #include <fcntl.h>
@@ -7,24 +11,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
 #include "zero/core/error.hpp"
-#include "zero/io/atomic_file.hpp"
-
-// Tensor bytes are handed out and converted as they lie in the file, which the
-// format defines as little-endian.
-static_assert(std::endian::native == std::endian::little,
-              "zero::io reads safetensors data in place and needs a little-endian host");
 
 namespace zero::io {
 namespace {
@@ -33,9 +29,10 @@ namespace {
 // header of n tensors cost O(n^2) to parse, a hang for a hostile 100 MB header.
 using Json = nlohmann::json;
 
-// The reference implementation's limit: a larger header is far more likely a
-// corrupt length than a real checkpoint, and parsing it would cost gigabytes.
-constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
+using detail::brief_text;
+using detail::kMaxHeaderBytes;
+using detail::load_le64;
+using detail::shape_text;
 
 constexpr std::string_view kExpectedDTypes = "F64, F32, F16, BF16, I64, I32, I16, I8, U8 or BOOL";
 
@@ -43,22 +40,6 @@ constexpr std::string_view kExpectedDTypes = "F64, F32, F16, BF16, I64, I32, I16
 // shards says which one.
 #define ZERO_BAD_FILE(where, ...) \
   ZERO_THROW(::zero::IoError, "safetensors file '", where, "': ", __VA_ARGS__)
-
-std::uint64_t load_le64(const std::byte* p) {
-  std::uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | std::to_integer<std::uint64_t>(p[i]);
-  return value;
-}
-
-void store_le64(std::byte* p, std::uint64_t value) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>((value >> (8 * i)) & 0xffu);
-}
-
-bool mul_overflows(std::uint64_t a, std::uint64_t b, std::uint64_t& out) {
-  return __builtin_mul_overflow(a, b, &out);
-}
-
-using detail::brief_text;
 
 // A short rendering of a header value for messages. Not Json::dump(): a
 // hostile header may hold megabytes in one field or nest arrays a million
@@ -100,15 +81,6 @@ std::string brief(const Json& value) {
 // bytes; escape them so that logs and JSON log sinks get clean text. The
 // "[json.exception.parse_error.101] " prefix says nothing to a user.
 std::string parse_error_text(std::string_view what) { return detail::printable_error_text(what); }
-
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  return text + "]";
-}
 
 // Reads a JSON value as a non-negative integer that fits `limit`; false for
 // floats (even 2.0), negatives, strings and out-of-range values.
@@ -264,27 +236,16 @@ RawEntry parse_tensor_entry(const std::string& where, const std::string& name, c
   raw.begin = begin;
   raw.end = end;
 
-  // Zero if any dimension is zero, whatever the others: [0, 2^40, 2^40] is a
-  // valid empty tensor, not an overflow.
-  std::uint64_t needed = size_of(raw.dtype);
-  bool overflow = false;
-  for (std::int64_t d : raw.shape) {
-    if (d == 0) {
-      needed = 0;
-      overflow = false;
-      break;
-    }
-    if (!overflow) overflow = mul_overflows(needed, static_cast<std::uint64_t>(d), needed);
-  }
-  if (overflow) {
+  const std::optional<std::uint64_t> needed = detail::tensor_byte_size(raw.dtype, raw.shape);
+  if (!needed) {
     ZERO_BAD_FILE(where, tensor, " has shape ", shape_text(raw.shape), " of dtype ", raw.dtype,
                   " whose byte size overflows 64 bits; expected a size matching data_offsets [",
                   begin, ", ", end, "] (", end - begin, " bytes)");
   }
-  if (needed != end - begin) {
+  if (*needed != end - begin) {
     ZERO_BAD_FILE(where, tensor, " has data_offsets [", begin, ", ", end, "] spanning ",
                   end - begin, " bytes, but shape ", shape_text(raw.shape), " of dtype ",
-                  raw.dtype, " needs ", needed, " bytes; expected the two to agree");
+                  raw.dtype, " needs ", *needed, " bytes; expected the two to agree");
   }
   if (end > data_size) {
     ZERO_BAD_FILE(where, tensor, " has data_offsets [", begin, ", ", end,
@@ -292,6 +253,152 @@ RawEntry parse_tensor_entry(const std::string& where, const std::string& name, c
                   " (the bytes after the header)");
   }
   return raw;
+}
+
+// ---------------------------------------------------------------- parse() in steps
+
+// The header's byte length, from the first 8 bytes: at least 1, within the
+// limit and within the file.
+std::uint64_t header_length(const std::string& where, const std::byte* base, std::uint64_t file_size) {
+  if (file_size < 8) {
+    ZERO_BAD_FILE(where, "file is ", file_size,
+                  " bytes, shorter than the 8-byte header length; expected at least 8 bytes "
+                  "followed by a JSON header");
+  }
+  const std::uint64_t header_size = load_le64(base);
+  if (header_size == 0) {
+    ZERO_BAD_FILE(where, "header length is 0; expected the byte length of a JSON object (>= 2)");
+  }
+  if (header_size > kMaxHeaderBytes) {
+    ZERO_BAD_FILE(where, "header length ", header_size, " exceeds the limit of ",
+                  kMaxHeaderBytes, " bytes; expected a smaller header (is the file corrupt?)");
+  }
+  if (header_size > file_size - 8) {
+    ZERO_BAD_FILE(where, "header length ", header_size,
+                  " runs past the end of the file; expected at most ", file_size - 8,
+                  " (file size ", file_size, " minus 8)");
+  }
+  return header_size;
+}
+
+// The header's text: it must open an object and hold no NUL byte.
+std::string_view header_text(const std::string& where, const std::byte* start, std::uint64_t header_size) {
+  const char* text = reinterpret_cast<const char*>(start);
+  if (text[0] != '{') {
+    char shown[8];
+    std::snprintf(shown, sizeof shown, "0x%02x", static_cast<unsigned char>(text[0]));
+    ZERO_BAD_FILE(where, "header starts with byte ", shown,
+                  " instead of '{'; expected UTF-8 JSON text of an object");
+  }
+  // nlohmann's lexer takes a NUL byte for the end of input, so "{}\0junk"
+  // would parse; valid JSON text never holds a raw NUL, even inside strings.
+  if (const void* nul = std::memchr(text, '\0', header_size)) {
+    ZERO_BAD_FILE(where, "header is not valid JSON: it holds a NUL byte at header offset ",
+                  static_cast<const char*>(nul) - text,
+                  "; expected UTF-8 JSON text of an object, padded with spaces only");
+  }
+  return {text, static_cast<std::size_t>(header_size)};
+}
+
+// The DOM-less pass (KeyScanner): refuses repeated keys and text that is not JSON.
+KeyScanner scan_header(const std::string& where, std::string_view text) {
+  KeyScanner scanner;
+  const bool scanned = Json::sax_parse(text.data(), text.data() + text.size(), &scanner);
+  if (scanner.duplicate) {
+    if (scanner.duplicate_parent.empty()) {
+      ZERO_BAD_FILE(where, "header names '", brief_text(*scanner.duplicate),
+                    "' more than once; expected unique tensor names");
+    }
+    ZERO_BAD_FILE(where, "header entry '", brief_text(scanner.duplicate_parent), "' has field '",
+                  brief_text(*scanner.duplicate), "' more than once; expected each field once");
+  }
+  if (!scanned || scanner.error) {
+    ZERO_BAD_FILE(where, "header is not valid JSON: ",
+                  parse_error_text(scanner.error.value_or("rejected by the parser")),
+                  "; expected UTF-8 JSON text of an object");
+  }
+  return scanner;
+}
+
+// The header as a DOM, which must be an object.
+Json parse_header(const std::string& where, std::string_view text) {
+  Json header;
+  try {
+    header = Json::parse(text.data(), text.data() + text.size());
+  } catch (const nlohmann::json::exception& e) {
+    ZERO_BAD_FILE(where, "header is not valid JSON: ", parse_error_text(e.what()),
+                  "; expected UTF-8 JSON text of an object");
+  }
+  if (!header.is_object()) {
+    ZERO_BAD_FILE(where, "header is a JSON ", header.type_name(), "; expected an object");
+  }
+  return header;
+}
+
+// The __metadata__ entry: strings to strings.
+void read_metadata(const std::string& where, const Json& meta, std::map<std::string, std::string>& metadata) {
+  if (!meta.is_object()) {
+    ZERO_BAD_FILE(where, "__metadata__ is a JSON ", meta.type_name(),
+                  "; expected an object mapping strings to strings");
+  }
+  for (auto m = meta.begin(); m != meta.end(); ++m) {
+    if (!m.value().is_string()) {
+      ZERO_BAD_FILE(where, "__metadata__ entry '", brief_text(m.key()), "' is a JSON ",
+                    m.value().type_name(), " (", brief(m.value()),
+                    "); expected a string (metadata maps strings to strings)");
+    }
+    metadata.emplace(m.key(), m.value().get<std::string>());
+  }
+}
+
+// Every tensor entry of the header (and its __metadata__ into `metadata`), in
+// the DOM's key order, each knowing its position in the header.
+std::vector<RawEntry> read_entries(const std::string& where, const Json& header,
+                                   const std::unordered_map<std::string, std::size_t>& header_order,
+                                   std::uint64_t data_size, std::map<std::string, std::string>& metadata) {
+  std::vector<RawEntry> entries;
+  entries.reserve(header.size());
+  for (auto item = header.begin(); item != header.end(); ++item) {
+    if (item.key() == "__metadata__") {
+      read_metadata(where, item.value(), metadata);
+      continue;
+    }
+    entries.push_back(parse_tensor_entry(where, item.key(), item.value(), data_size));
+    entries.back().header_index = header_order.at(item.key());
+  }
+  return entries;
+}
+
+// Sorts the tensors by offset and walks them: each must start where the
+// previous ended, so the data section has no overlaps, no holes and no
+// trailing bytes.
+void sort_and_check_tiling(const std::string& where, std::vector<RawEntry>& entries, std::uint64_t data_size) {
+  std::sort(entries.begin(), entries.end(), [](const RawEntry& a, const RawEntry& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.header_index < b.header_index;
+  });
+  std::uint64_t covered = 0;
+  const RawEntry* previous = nullptr;
+  for (const RawEntry& e : entries) {
+    if (e.begin < covered) {
+      ZERO_BAD_FILE(where, "tensor '", brief_text(e.name), "' at data_offsets [", e.begin, ", ",
+                    e.end, "] overlaps tensor '", brief_text(previous->name), "' at [",
+                    previous->begin, ", ", previous->end, "]; expected disjoint tensors");
+    }
+    if (e.begin > covered) {
+      ZERO_BAD_FILE(where, "data bytes [", covered, ", ", e.begin,
+                    ") belong to no tensor (a hole before tensor '", brief_text(e.name),
+                    "'); expected tensors to cover the data section without gaps");
+    }
+    covered = e.end;
+    previous = &e;
+  }
+  if (covered != data_size) {
+    ZERO_BAD_FILE(where, "the last ", data_size - covered, " of the ", data_size,
+                  " data bytes belong to no tensor; expected the tensors to end at the end of "
+                  "the file");
+  }
 }
 
 }  // namespace
@@ -392,120 +499,14 @@ const std::byte* SafeTensorsFile::bytes() const noexcept {
 
 void SafeTensorsFile::parse() {
   const std::string where = path_.string();
-  const std::byte* base = bytes();
-  if (size_ < 8) {
-    ZERO_BAD_FILE(where, "file is ", size_,
-                  " bytes, shorter than the 8-byte header length; expected at least 8 bytes "
-                  "followed by a JSON header");
-  }
-  const std::uint64_t header_size = load_le64(base);
-  if (header_size == 0) {
-    ZERO_BAD_FILE(where, "header length is 0; expected the byte length of a JSON object (>= 2)");
-  }
-  if (header_size > kMaxHeaderBytes) {
-    ZERO_BAD_FILE(where, "header length ", header_size, " exceeds the limit of ",
-                  kMaxHeaderBytes, " bytes; expected a smaller header (is the file corrupt?)");
-  }
-  if (header_size > size_ - 8) {
-    ZERO_BAD_FILE(where, "header length ", header_size,
-                  " runs past the end of the file; expected at most ", size_ - 8,
-                  " (file size ", size_, " minus 8)");
-  }
-  const char* text = reinterpret_cast<const char*>(base + 8);
-  if (text[0] != '{') {
-    char shown[8];
-    std::snprintf(shown, sizeof shown, "0x%02x", static_cast<unsigned char>(text[0]));
-    ZERO_BAD_FILE(where, "header starts with byte ", shown,
-                  " instead of '{'; expected UTF-8 JSON text of an object");
-  }
-
-  // nlohmann's lexer takes a NUL byte for the end of input, so "{}\0junk"
-  // would parse; valid JSON text never holds a raw NUL, even inside strings.
-  if (const void* nul = std::memchr(text, '\0', header_size)) {
-    ZERO_BAD_FILE(where, "header is not valid JSON: it holds a NUL byte at header offset ",
-                  static_cast<const char*>(nul) - text,
-                  "; expected UTF-8 JSON text of an object, padded with spaces only");
-  }
-
-  KeyScanner scanner;
-  const bool scanned = Json::sax_parse(text, text + header_size, &scanner);
-  if (scanner.duplicate) {
-    if (scanner.duplicate_parent.empty()) {
-      ZERO_BAD_FILE(where, "header names '", brief_text(*scanner.duplicate),
-                    "' more than once; expected unique tensor names");
-    }
-    ZERO_BAD_FILE(where, "header entry '", brief_text(scanner.duplicate_parent), "' has field '",
-                  brief_text(*scanner.duplicate), "' more than once; expected each field once");
-  }
-  if (!scanned || scanner.error) {
-    ZERO_BAD_FILE(where, "header is not valid JSON: ",
-                  parse_error_text(scanner.error.value_or("rejected by the parser")),
-                  "; expected UTF-8 JSON text of an object");
-  }
-  Json header;
-  try {
-    header = Json::parse(text, text + header_size);
-  } catch (const nlohmann::json::exception& e) {
-    ZERO_BAD_FILE(where, "header is not valid JSON: ", parse_error_text(e.what()),
-                  "; expected UTF-8 JSON text of an object");
-  }
-  if (!header.is_object()) {
-    ZERO_BAD_FILE(where, "header is a JSON ", header.type_name(), "; expected an object");
-  }
-
+  const std::uint64_t header_size = header_length(where, bytes(), size_);
+  const std::string_view text = header_text(where, bytes() + 8, header_size);
+  const KeyScanner scanner = scan_header(where, text);
+  const Json header = parse_header(where, text);
   const std::uint64_t data_start = 8 + header_size;
   const std::uint64_t data_size = size_ - data_start;
-  std::vector<RawEntry> entries;
-  entries.reserve(header.size());
-  for (auto item = header.begin(); item != header.end(); ++item) {
-    if (item.key() == "__metadata__") {
-      const Json& meta = item.value();
-      if (!meta.is_object()) {
-        ZERO_BAD_FILE(where, "__metadata__ is a JSON ", meta.type_name(),
-                      "; expected an object mapping strings to strings");
-      }
-      for (auto m = meta.begin(); m != meta.end(); ++m) {
-        if (!m.value().is_string()) {
-          ZERO_BAD_FILE(where, "__metadata__ entry '", brief_text(m.key()), "' is a JSON ",
-                        m.value().type_name(), " (", brief(m.value()),
-                        "); expected a string (metadata maps strings to strings)");
-        }
-        metadata_.emplace(m.key(), m.value().get<std::string>());
-      }
-      continue;
-    }
-    entries.push_back(parse_tensor_entry(where, item.key(), item.value(), data_size));
-    entries.back().header_index = scanner.top_level_order.at(item.key());
-  }
-
-  // Walk the tensors by offset: each must start where the previous ended, so
-  // the data section has no overlaps, no holes and no trailing bytes.
-  std::sort(entries.begin(), entries.end(), [](const RawEntry& a, const RawEntry& b) {
-    if (a.begin != b.begin) return a.begin < b.begin;
-    if (a.end != b.end) return a.end < b.end;
-    return a.header_index < b.header_index;
-  });
-  std::uint64_t covered = 0;
-  const RawEntry* previous = nullptr;
-  for (const RawEntry& e : entries) {
-    if (e.begin < covered) {
-      ZERO_BAD_FILE(where, "tensor '", brief_text(e.name), "' at data_offsets [", e.begin, ", ",
-                    e.end, "] overlaps tensor '", brief_text(previous->name), "' at [",
-                    previous->begin, ", ", previous->end, "]; expected disjoint tensors");
-    }
-    if (e.begin > covered) {
-      ZERO_BAD_FILE(where, "data bytes [", covered, ", ", e.begin,
-                    ") belong to no tensor (a hole before tensor '", brief_text(e.name),
-                    "'); expected tensors to cover the data section without gaps");
-    }
-    covered = e.end;
-    previous = &e;
-  }
-  if (covered != data_size) {
-    ZERO_BAD_FILE(where, "the last ", data_size - covered, " of the ", data_size,
-                  " data bytes belong to no tensor; expected the tensors to end at the end of "
-                  "the file");
-  }
+  std::vector<RawEntry> entries = read_entries(where, header, scanner.top_level_order, data_size, metadata_);
+  sort_and_check_tiling(where, entries, data_size);
 
   tensors_.reserve(entries.size());
   for (RawEntry& e : entries) {
@@ -574,184 +575,6 @@ std::vector<float> SafeTensorsFile::read_as_float32(std::string_view name) const
                     "; read_as_float32 converts only F32, F16, BF16 and F64");
   }
   return out;
-}
-
-// ---------------------------------------------------------------- writer
-
-namespace {
-
-struct Plan {
-  std::string header;  // JSON, already padded
-  std::vector<std::uint64_t> sizes;
-  std::uint64_t data_size = 0;
-};
-
-// JSON text of a string, rejecting invalid UTF-8 instead of replacing it.
-std::string json_string(const std::string& text, std::string_view what) {
-  try {
-    return Json(text).dump(-1, ' ', false, Json::error_handler_t::strict);
-  } catch (const nlohmann::json::exception&) {
-    ZERO_THROW(InvalidArgument, "write_safetensors: ", what, " '", brief_text(text),
-               "' is not valid UTF-8");
-  }
-}
-
-// `with_data`: the views carry their data (false for the stream writer,
-// whose data comes later).
-Plan plan_layout(const std::vector<TensorView>& tensors,
-                 const std::map<std::string, std::string>& metadata, bool with_data = true) {
-  // The header is assembled by hand, entry by entry in the given order: an
-  // ordered_json object would keep the order but look up every key linearly.
-  Plan plan;
-  std::string& header = plan.header;
-  header += '{';
-  if (!metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
-    for (const auto& [key, value] : metadata) {
-      if (!first) header += ',';
-      first = false;
-      header += json_string(key, "metadata key");
-      header += ':';
-      header += json_string(value, "value of metadata key");
-    }
-    header += '}';
-  }
-  std::set<std::string_view> seen;
-  plan.sizes.reserve(tensors.size());
-  for (const TensorView& t : tensors) {
-    ZERO_CHECK(t.name != "__metadata__",
-               "write_safetensors: '__metadata__' is reserved and cannot name a tensor");
-    ZERO_CHECK(seen.insert(t.name).second, "write_safetensors: tensor name '", t.name,
-               "' appears more than once; names must be unique");
-    ZERO_CHECK(is_valid(t.dtype), "write_safetensors: tensor '", t.name,
-               "' has invalid dtype value ", static_cast<int>(t.dtype));
-    for (std::int64_t d : t.shape) {
-      ZERO_CHECK(d >= 0, "write_safetensors: tensor '", t.name, "' has shape ",
-                 shape_text(t.shape), " with a negative dimension");
-    }
-    std::uint64_t bytes = size_of(t.dtype);
-    bool overflow = false;
-    for (std::int64_t d : t.shape) {
-      if (d == 0) {
-        bytes = 0;
-        overflow = false;
-        break;
-      }
-      if (!overflow) overflow = mul_overflows(bytes, static_cast<std::uint64_t>(d), bytes);
-    }
-    std::uint64_t end = 0;
-    ZERO_CHECK(!overflow && !__builtin_add_overflow(plan.data_size, bytes, &end),
-               "write_safetensors: tensor '", t.name, "' with shape ", shape_text(t.shape),
-               " overflows 64-bit byte offsets");
-    ZERO_CHECK(!with_data || t.data != nullptr || bytes == 0, "write_safetensors: tensor '", t.name,
-               "' has ", bytes, " bytes of data but a null data pointer");
-    if (header.size() > 1) header += ',';
-    header += json_string(t.name, "tensor name");
-    header += ":{\"dtype\":\"";
-    header += name_of(t.dtype);
-    header += "\",\"shape\":[";
-    for (std::size_t i = 0; i < t.shape.size(); ++i) {
-      if (i) header += ',';
-      header += std::to_string(t.shape[i]);
-    }
-    header += "],\"data_offsets\":[";
-    header += std::to_string(plan.data_size);
-    header += ',';
-    header += std::to_string(end);
-    header += "]}";
-    plan.sizes.push_back(bytes);
-    plan.data_size = end;
-  }
-  header += '}';
-  // Spaces are what the reference pads with and any JSON parser skips; the
-  // data section then starts 8-byte aligned for in-place use.
-  header.append((8 - header.size() % 8) % 8, ' ');
-  ZERO_CHECK(header.size() <= kMaxHeaderBytes, "write_safetensors: header of ", header.size(),
-             " bytes exceeds the ", kMaxHeaderBytes, "-byte limit readers enforce");
-  return plan;
-}
-
-}  // namespace
-
-std::vector<std::byte> serialize_safetensors(const std::vector<TensorView>& tensors,
-                                             const std::map<std::string, std::string>& metadata) {
-  const Plan plan = plan_layout(tensors, metadata);
-  const std::uint64_t total = 8 + plan.header.size() + plan.data_size;
-  ZERO_CHECK(total <= std::numeric_limits<std::size_t>::max(),
-             "serialize_safetensors: ", total, " bytes do not fit in memory");
-  std::vector<std::byte> out(static_cast<std::size_t>(total));
-  store_le64(out.data(), plan.header.size());
-  std::memcpy(out.data() + 8, plan.header.data(), plan.header.size());
-  std::byte* cursor = out.data() + 8 + plan.header.size();
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (plan.sizes[i]) std::memcpy(cursor, tensors[i].data, plan.sizes[i]);
-    cursor += plan.sizes[i];
-  }
-  return out;
-}
-
-void write_safetensors(const std::filesystem::path& path, const std::vector<TensorView>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
-  const Plan plan = plan_layout(tensors, metadata);
-  AtomicFileWriter writer(path);
-  std::byte length[8];
-  store_le64(length, plan.header.size());
-  writer.write(length, sizeof length);
-  writer.write(plan.header.data(), plan.header.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (plan.sizes[i]) writer.write(tensors[i].data, plan.sizes[i]);
-  }
-  writer.commit();
-}
-
-// ---------------------------------------------------------------- stream writer
-
-SafeTensorsStreamWriter::SafeTensorsStreamWriter(const std::filesystem::path& path,
-                                                 const std::vector<TensorSpec>& tensors,
-                                                 const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorView> views;
-  views.reserve(tensors.size());
-  for (const TensorSpec& t : tensors) views.push_back({t.name, t.dtype, t.shape, nullptr});
-  const Plan plan = plan_layout(views, metadata, /*with_data=*/false);
-  // Created only once the specs are known to be valid: no temporary file for a refused call.
-  writer_.emplace(path);
-  std::byte length[8];
-  store_le64(length, plan.header.size());
-  writer_->write(length, sizeof length);
-  writer_->write(plan.header.data(), plan.header.size());
-  sizes_ = plan.sizes;
-  data_size_ = plan.data_size;
-  file_size_ = 8 + plan.header.size() + plan.data_size;
-  skip_empty();
-}
-
-void SafeTensorsStreamWriter::skip_empty() {
-  while (current_ < sizes_.size() && written_in_current_ == sizes_[current_]) {
-    ++current_;
-    written_in_current_ = 0;
-  }
-}
-
-void SafeTensorsStreamWriter::append(std::span<const std::byte> bytes) {
-  ZERO_CHECK(bytes.size() <= data_size_ - written_, "SafeTensorsStreamWriter(", writer_->target().string(),
-             "): ", bytes.size(), " bytes appended with only ", data_size_ - written_, " left to write");
-  writer_->write(bytes);
-  written_ += bytes.size();
-  std::uint64_t left = bytes.size();
-  while (left > 0) {
-    const std::uint64_t take = std::min(left, sizes_[current_] - written_in_current_);
-    written_in_current_ += take;
-    left -= take;
-    skip_empty();
-  }
-}
-
-void SafeTensorsStreamWriter::commit() {
-  ZERO_CHECK(written_ == data_size_, "SafeTensorsStreamWriter(", writer_->target().string(), "): committed after ",
-             written_, " of ", data_size_, " data bytes",
-             current_ < sizes_.size() ? " (tensor " + std::to_string(current_) + " is incomplete)" : std::string());
-  writer_->commit();
 }
 
 }  // namespace zero::io

@@ -49,24 +49,121 @@ float target_of(std::size_t param, std::size_t k) {
   return std::sin(0.001f * static_cast<float>(k) + static_cast<float>(param));
 }
 
+struct DemoOptions {
+  std::string params_text = "20M";
+  std::vector<int> stages = {0, 1, 2, 3};
+  std::string dtype_text = "bf16";
+  int steps = 5;
+  int accumulation = 1;
+};
+
+void add_options(CLI::App& app, DemoOptions& o) {
+  app.add_option("--params", o.params_text, "model size (K, M, G suffixes)")->capture_default_str();
+  app.add_option("--stages", o.stages, "ZeRO stages to run")->delimiter(',')->capture_default_str()
+      ->check(CLI::Range(0, 3));
+  app.add_option("--dtype", o.dtype_text, "parameter dtype: fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--steps", o.steps, "optimizer steps per stage")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--accumulation", o.accumulation, "micro-steps per step")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+/// One micro-step: loss 0.5 * mean (w - target)^2 over every element, its
+/// gradient written by hand, unit by unit in reverse. This rank's "data" is
+/// the target with a rank-dependent offset that averages out. Returns the
+/// loss averaged over ranks.
+double micro_step(Engine& engine, Communicator& comm, DType dtype) {
+  double local = 0;
+  std::size_t count = 0;
+  const float offset = 0.01f * static_cast<float>(comm.rank() - (comm.size() - 1) / 2.0f);
+  for (std::size_t u = engine.unit_count(); u-- > 0;) {
+    engine.gather_unit(u);
+    const Bucket& bucket = engine.layout().buckets()[u];
+    for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
+      const std::size_t n = engine.layout().params()[p].numel;
+      const void* w = engine.param_data(p);
+      void* g = engine.grad_data(p);
+      for (std::size_t k = 0; k < n; ++k) {
+        const float d = load_as_float(w, k, dtype) - (target_of(p, k) + offset);
+        local += 0.5 * d * d;
+        store_from_float(g, k, dtype, d);
+      }
+      count += n;
+      engine.grad_ready(p);
+    }
+    engine.release_unit(u);
+  }
+  engine.finish_micro_step();
+  double sums[2] = {local, static_cast<double>(count)};
+  comm.all_reduce_host_f64(sums, 2, ReduceOp::sum);
+  return sums[0] / sums[1];
+}
+
+/// Per-rank memory next to the ZeRO formula: every rank sends its numbers to rank 0.
+void print_memory(const Engine& engine, MpiCommunicator& comm, int stage, double seconds, int steps) {
+  const int world = comm.size();
+  const MemoryByCategory live = engine.memory(), peak = engine.peak_memory(),
+                         formula = engine.predicted_model_state();
+  const double mine[] = {double(live.params), double(live.grads), double(live.master),
+                         double(live.optimizer_state), double(peak.buffers), double(peak.params)};
+  std::vector<double> all(6 * static_cast<std::size_t>(world));
+  ZERO_CHECK_MPI(MPI_Gather(mine, 6, MPI_DOUBLE, all.data(), 6, MPI_DOUBLE, 0, comm.mpi_comm()));
+  if (comm.rank() == 0) {
+    std::printf("stage %d: %.2f s for %d steps; padded %zu of %zu parameters\n", stage, seconds, steps,
+                engine.layout().padded_numel(), engine.layout().param_numel());
+    std::printf("  %-6s %12s %12s %12s %12s %12s %12s %14s\n", "rank", "params", "grads", "master",
+                "optimizer", "model-state", "peak-buffers", "peak-params");
+    for (int r = 0; r < world; ++r) {
+      const double* m = &all[static_cast<std::size_t>(r) * 6];
+      const std::size_t state = std::size_t(m[0] + m[1] + m[2] + m[3]);
+      std::printf("  %-6d %12s %12s %12s %12s %12s %12s %14s\n", r, format_bytes(std::size_t(m[0])).c_str(),
+                  format_bytes(std::size_t(m[1])).c_str(), format_bytes(std::size_t(m[2])).c_str(),
+                  format_bytes(std::size_t(m[3])).c_str(), format_bytes(state).c_str(),
+                  format_bytes(std::size_t(m[4])).c_str(), format_bytes(std::size_t(m[5])).c_str());
+    }
+    std::printf("  %-6s %12s %12s %12s %12s %12s   (ZeRO formula for the padded size)\n", "model",
+                format_bytes(formula.params).c_str(), format_bytes(formula.grads).c_str(),
+                format_bytes(formula.master).c_str(), format_bytes(formula.optimizer_state).c_str(),
+                format_bytes(formula.model_state()).c_str());
+  }
+  ZERO_CHECK(live.model_state() == formula.model_state(), "engine holds ", live.model_state(),
+             " bytes of model state, the formula says ", formula.model_state());
+}
+
+/// Trains the synthetic model at one stage from zeros and prints its memory.
+void run_stage(const DemoOptions& o, int stage, MpiCommunicator& comm, Backend& backend) {
+  const DType dtype = parse_dtype(o.dtype_text, "--dtype");
+  EngineOptions options;
+  options.stage = stage;
+  options.param_dtype = dtype;
+  options.accumulation_steps = o.accumulation;
+  options.optimizer.lr = 0.05;
+  options.optimizer.weight_decay = 0;
+  Engine engine(synthetic_units(parse_count(o.params_text)), options, comm, backend);
+  std::vector<float> values;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    values.assign(engine.layout().params()[p].numel, 0.0f);
+    engine.set_param(p, values.data());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  double loss = 0;
+  for (int step = 0; step < o.steps; ++step) {
+    for (int micro = 0; micro < o.accumulation; ++micro) loss = micro_step(engine, comm, dtype);
+    const StepResult r = engine.step();
+    if (comm.rank() == 0)
+      std::printf("  stage %d step %d: loss %.6f grad-norm %.4f\n", stage, step + 1, loss, r.grad_norm);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  print_memory(engine, comm, stage, seconds, o.steps);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   return run_or_abort([&] {
     MpiSession session(&argc, &argv);
     CLI::App app{"zero engine demo: sharded training on CPU ranks with per-rank memory by category"};
-    std::string params_text = "20M";
-    std::vector<int> stages = {0, 1, 2, 3};
-    std::string dtype_text = "bf16";
-    int steps = 5;
-    int accumulation = 1;
-    app.add_option("--params", params_text, "model size (K, M, G suffixes)")->capture_default_str();
-    app.add_option("--stages", stages, "ZeRO stages to run")->delimiter(',')->capture_default_str()
-        ->check(CLI::Range(0, 3));
-    app.add_option("--dtype", dtype_text, "parameter dtype: fp32, bf16 or fp16")->capture_default_str();
-    app.add_option("--steps", steps, "optimizer steps per stage")->capture_default_str()->check(CLI::PositiveNumber);
-    app.add_option("--accumulation", accumulation, "micro-steps per step")->capture_default_str()
-        ->check(CLI::PositiveNumber);
+    DemoOptions o;
+    add_options(app, o);
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -74,90 +171,11 @@ int main(int argc, char** argv) {
     }
     MpiCommunicator comm;
     auto backend = make_host_backend();
-    const std::size_t total = parse_count(params_text);
-    const DType dtype = parse_dtype(dtype_text, "--dtype");
-    const int rank = comm.rank(), world = comm.size();
-    if (rank == 0)
-      std::printf("zero engine demo: %d ranks, %s parameters, %s params + fp32 master, AdamW, %d steps\n", world,
-                  params_text.c_str(), std::string(name_of(dtype)).c_str(), steps);
-
-    for (int stage : stages) {
-      EngineOptions options;
-      options.stage = stage;
-      options.param_dtype = dtype;
-      options.accumulation_steps = accumulation;
-      options.optimizer.lr = 0.05;
-      options.optimizer.weight_decay = 0;
-      Engine engine(synthetic_units(total), options, comm, *backend);
-      std::vector<float> values;
-      for (std::size_t p = 0; p < engine.param_count(); ++p) {
-        values.assign(engine.layout().params()[p].numel, 0.0f);
-        engine.set_param(p, values.data());
-      }
-      const auto start = std::chrono::steady_clock::now();
-      double loss = 0;
-      for (int step = 0; step < steps; ++step) {
-        for (int micro = 0; micro < accumulation; ++micro) {
-          // Loss 0.5 * mean (w - target)^2 over every element; this rank's
-          // "data" is the target with a rank-dependent offset that averages out.
-          double local = 0;
-          std::size_t count = 0;
-          const float offset = 0.01f * static_cast<float>(rank - (world - 1) / 2.0f);
-          for (std::size_t u = engine.unit_count(); u-- > 0;) {
-            engine.gather_unit(u);
-            const Bucket& bucket = engine.layout().buckets()[u];
-            for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
-              const std::size_t n = engine.layout().params()[p].numel;
-              const void* w = engine.param_data(p);
-              void* g = engine.grad_data(p);
-              for (std::size_t k = 0; k < n; ++k) {
-                const float d = load_as_float(w, k, dtype) - (target_of(p, k) + offset);
-                local += 0.5 * d * d;
-                store_from_float(g, k, dtype, d);
-              }
-              count += n;
-              engine.grad_ready(p);
-            }
-            engine.release_unit(u);
-          }
-          engine.finish_micro_step();
-          double sums[2] = {local, static_cast<double>(count)};
-          comm.all_reduce_host_f64(sums, 2, ReduceOp::sum);
-          loss = sums[0] / sums[1];
-        }
-        const StepResult r = engine.step();
-        if (rank == 0)
-          std::printf("  stage %d step %d: loss %.6f grad-norm %.4f\n", stage, step + 1, loss, r.grad_norm);
-      }
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      // Per-rank memory: every rank sends its numbers to rank 0.
-      const MemoryByCategory live = engine.memory(), peak = engine.peak_memory(),
-                             formula = engine.predicted_model_state();
-      const double mine[] = {double(live.params), double(live.grads), double(live.master),
-                             double(live.optimizer_state), double(peak.buffers), double(peak.params)};
-      std::vector<double> all(6 * static_cast<std::size_t>(world));
-      ZERO_CHECK_MPI(MPI_Gather(mine, 6, MPI_DOUBLE, all.data(), 6, MPI_DOUBLE, 0, comm.mpi_comm()));
-      if (rank == 0) {
-        std::printf("stage %d: %.2f s for %d steps; padded %zu of %zu parameters\n", stage, seconds, steps,
-                    engine.layout().padded_numel(), engine.layout().param_numel());
-        std::printf("  %-6s %12s %12s %12s %12s %12s %12s %14s\n", "rank", "params", "grads", "master",
-                    "optimizer", "model-state", "peak-buffers", "peak-params");
-        for (int r = 0; r < world; ++r) {
-          const double* m = &all[static_cast<std::size_t>(r) * 6];
-          const std::size_t state = std::size_t(m[0] + m[1] + m[2] + m[3]);
-          std::printf("  %-6d %12s %12s %12s %12s %12s %12s %14s\n", r, format_bytes(std::size_t(m[0])).c_str(),
-                      format_bytes(std::size_t(m[1])).c_str(), format_bytes(std::size_t(m[2])).c_str(),
-                      format_bytes(std::size_t(m[3])).c_str(), format_bytes(state).c_str(),
-                      format_bytes(std::size_t(m[4])).c_str(), format_bytes(std::size_t(m[5])).c_str());
-        }
-        std::printf("  %-6s %12s %12s %12s %12s %12s   (ZeRO formula for the padded size)\n", "model",
-                    format_bytes(formula.params).c_str(), format_bytes(formula.grads).c_str(),
-                    format_bytes(formula.master).c_str(), format_bytes(formula.optimizer_state).c_str(),
-                    format_bytes(formula.model_state()).c_str());
-      }
-      ZERO_CHECK(live.model_state() == formula.model_state(), "engine holds ", live.model_state(),
-                 " bytes of model state, the formula says ", formula.model_state());
-    }
+    const DType dtype = parse_dtype(o.dtype_text, "--dtype");
+    if (comm.rank() == 0)
+      std::printf("zero engine demo: %d ranks, %s parameters, %s params + fp32 master, AdamW, %d steps\n",
+                  comm.size(), o.params_text.c_str(), std::string(name_of(dtype)).c_str(), o.steps);
+    for (int stage : o.stages) run_stage(o, stage, comm, *backend);
     return 0;
   });
 }

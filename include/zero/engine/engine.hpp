@@ -72,7 +72,7 @@ struct StepResult {
 
 class Engine {
  public:
-  /// Parameters grouped automatically into buckets of about bucket_bytes.
+  /// Parameters grouped automatically into buckets of about options.buckets.bytes.
   Engine(std::vector<ParamSpec> params, const EngineOptions& options, Communicator& comm,
          Backend& backend);
   /// One bucket per group: the units of stage 3 (e.g. one UNet block each).

@@ -43,7 +43,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.model_copy = copy ? m_.params_full : nullptr;
     u.model_dtype = m_.pdt;
     u.count = m_.layout.padded_numel();
-    be.optimizer_step(args.optimizer, args.scalars, u, compute);
+    update(args, m_.full_segments, u);
     if (m_.ema) be.ema_update(m_.ema, weights, m_.layout.padded_numel(), args.ema_decay, compute);
     return;
   }
@@ -57,7 +57,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.model_copy = copy ? m_.own_params(b) : nullptr;
     u.model_dtype = m_.pdt;
     u.count = buckets[b].shard_size;
-    be.optimizer_step(args.optimizer, args.scalars, u, compute);
+    update(args, m_.segments[b], u);
   }
   if (m_.ema)
     for (std::size_t b = 0; b < buckets.size(); ++b)
@@ -71,6 +71,15 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
       m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + buckets[b].offset * m_.p_size, m_.pdt,
                                              m_.own_params(b), false);
   }
+}
+
+void DeviceUpdater::update(const UpdateArgs& args, const std::vector<Engine::Impl::Segment>& segments,
+                           const ShardUpdate& u) {
+  // One launch per run of a group: a single launch over the span without groups.
+  for (const Engine::Impl::Segment& s : segments)
+    m_.backend.optimizer_step(args.groups[static_cast<std::size_t>(s.group)].optimizer,
+                              args.groups[static_cast<std::size_t>(s.group)].scalars, u.slice(s.begin, s.count),
+                              m_.backend.compute_stream());
 }
 
 void DeviceUpdater::parameters_from_master() {

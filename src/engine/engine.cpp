@@ -64,6 +64,32 @@ Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const Engin
   unit_refs.assign(buckets, 0);
   unit_work.resize(buckets);
   param_gathers.resize(buckets);
+  for (std::size_t b = 0; b < buckets; ++b)
+    segments.push_back(segments_of(own_offset(b), own_offset(b) + layout.buckets()[b].shard_size));
+  full_segments = segments_of(0, layout.padded_numel());
+}
+
+std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std::size_t hi) const {
+  std::vector<Segment> out;
+  for (const Bucket& bucket : layout.buckets()) {
+    const std::size_t bucket_end = bucket.offset + bucket.padded;
+    if (bucket_end <= lo || bucket.offset >= hi) continue;
+    for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
+      // Parameter p's run: from its offset to the next parameter's (the
+      // padding between them is zero and stays zero under every group).
+      const std::size_t start = p == bucket.first_param ? bucket.offset : layout.slots()[p].offset;
+      const std::size_t end =
+          p + 1 < bucket.first_param + bucket.param_count ? layout.slots()[p + 1].offset : bucket_end;
+      const std::size_t a = std::max(start, lo), z = std::min(end, hi);
+      if (a >= z) continue;
+      const int group = layout.params()[p].group;
+      if (!out.empty() && out.back().group == group && out.back().begin + out.back().count == a - lo)
+        out.back().count += z - a;
+      else
+        out.push_back({a - lo, z - a, group});
+    }
+  }
+  return out;
 }
 
 Engine::Impl::~Impl() {
@@ -186,6 +212,10 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
              " parameters (", layout_.padded_numel(), " padded elements, stage ", options_.stage,
              "), others between ", low[1], " and ", high[1], " parameters (", low[0], " to ",
              high[0], " elements, stage ", low[2], " to ", high[2], ")");
+  for (const ParamSpec& p : layout_.params())
+    ZERO_CHECK(p.group >= 0 && static_cast<std::size_t>(p.group) < options_.group_count(), "parameter '", p.name,
+               "' is in group ", p.group, " but EngineOptions.param_groups has ", options_.group_count(),
+               options_.param_groups.empty() ? " (none given: every parameter is in group 0)" : "");
   impl_ = std::make_unique<Impl>(comm, backend, layout_, options_);
 }
 
@@ -337,11 +367,13 @@ StepResult Engine::step() {
     const double t = static_cast<double>(step_);
     const double ema_decay =
         options_.ema.warmup ? std::min(options_.ema.decay, (1 + t) / (10 + t)) : options_.ema.decay;
-    m.updater->apply({.optimizer = options_.optimizer,
-                      .scalars = make_step_scalars(options_.optimizer, step_, lr_, result.clip_coefficient / divisor),
-                      .ema_decay = ema_decay,
-                      .step = step_},
-                     result);
+    detail::UpdateArgs args{.ema_decay = ema_decay, .step = step_};
+    for (std::size_t g = 0; g < options_.group_count(); ++g) {
+      const OptimizerOptions group = options_.group_optimizer(g);
+      args.groups.push_back(
+          {group, make_step_scalars(group, step_, lr_ * options_.group_lr_scale(g), result.clip_coefficient / divisor)});
+    }
+    m.updater->apply(args, result);
   } else {
     ++skipped_total_;
     ++consecutive_nonfinite_;

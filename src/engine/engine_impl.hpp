@@ -53,6 +53,21 @@ struct Engine::Impl {
   /// How master, state and EMA are updated (on the device, offloaded, delayed).
   std::unique_ptr<detail::Updater> updater;
 
+  // ---------------------------------------------------------------- parameter groups
+  /// A run of one group's elements: [begin, begin + count) of a slice.
+  struct Segment {
+    std::size_t begin = 0, count = 0;
+    int group = 0;
+  };
+  /// This rank's slice of bucket b cut into runs of one group (a parameter's
+  /// run reaches to the next parameter, its padding included): one segment
+  /// per slice without groups. full_segments: the same over the whole buffer
+  /// (stage 0 updates everything).
+  std::vector<std::vector<Segment>> segments;
+  std::vector<Segment> full_segments;
+  /// The segments of elements [lo, hi) of the full buffer, relative to lo.
+  std::vector<Segment> segments_of(std::size_t lo, std::size_t hi) const;
+
   // ---------------------------------------------------------------- gradient path (reductions.cpp)
   struct Pending {
     std::size_t bucket;

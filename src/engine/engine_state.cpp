@@ -114,6 +114,8 @@ nlohmann::json layout_json(const FlatLayout& layout) {
     // The shape, where the model gave one, lets a consolidated file carry real
     // tensor shapes. Files from before it have name and numel only.
     if (!p.shape.empty()) entry["shape"] = p.shape;
+    // The parameter group, where not 0 (files from before groups have none).
+    if (p.group != 0) entry["group"] = p.group;
     params.push_back(std::move(entry));
   }
   for (const Bucket& b : layout.buckets()) groups.push_back(b.param_count);
@@ -162,6 +164,22 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
                           {"loss_scale_hysteresis_left", scaler_.hysteresis_left()},
                           {"loss_scale_skipped", scaler_.skipped_steps()},
                           {"layout", layout_json(layout_)}};
+  if (!options_.param_groups.empty()) {
+    // The groups' hyperparameters, for the record (the assignment is in the
+    // layout; a resumed run may change the values, not the assignment).
+    nlohmann::json groups = nlohmann::json::array();
+    for (std::size_t g = 0; g < options_.param_groups.size(); ++g) {
+      const OptimizerOptions o = options_.group_optimizer(g);
+      groups.push_back({{"name", options_.param_groups[g].name},
+                        {"lr_scale", options_.param_groups[g].lr_scale},
+                        {"weight_decay", o.weight_decay},
+                        {"beta1", o.beta1},
+                        {"beta2", o.beta2},
+                        {"eps", o.eps},
+                        {"momentum", o.momentum}});
+    }
+    state["param_groups"] = groups;
+  }
   std::map<std::string, std::string> meta(metadata.begin(), metadata.end());
   meta["zero.engine"] = state.dump();
   io::write_safetensors(path, views, meta);
@@ -205,6 +223,7 @@ void check_same_model(const nlohmann::json& state, const nlohmann::json& here, c
       if (!a.is_object() || a.value("name", nlohmann::json()) != b["name"] ||
           a.value("numel", nlohmann::json()) != b["numel"])
         return false;
+      if (a.value("group", 0) != b.value("group", 0)) return false;  // another grouping: other hyperparameters
       return !a.contains("shape") || !b.contains("shape") || a["shape"] == b["shape"];
     };
     for (std::size_t i = 0; i < ours.size() && detail.empty(); ++i)
@@ -408,6 +427,7 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
         spec.shape.push_back(d.get<std::int64_t>());
       }
     }
+    if (param.find("group")) spec.group = static_cast<int>(integer(param, "group", 0, 1 << 20));
     params.push_back(std::move(spec));
   }
   std::vector<std::vector<ParamSpec>> groups;

@@ -40,26 +40,29 @@ void OffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
 
 void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy) {
   const Bucket& bucket = m_.layout.buckets()[b];
-  const std::size_t at = bucket.shard_offset, n = bucket.shard_size;
-  const std::size_t p = m_.p_size, g = m_.g_size;
+  const std::size_t at = bucket.shard_offset;
+  ShardUpdate u;
+  u.master = m_.master + at;
+  u.grad = grads + at * m_.g_size;
+  u.grad_dtype = m_.gdt;
+  u.state0 = m_.state0 ? m_.state0 + at : nullptr;
+  u.state1 = m_.state1 ? m_.state1 + at : nullptr;
   // Offloaded parameters are updated where they live; nothing goes up.
-  std::byte* model = m_.plan.params_on_host ? m_.param_shard + at * p : copy + at * p;
+  u.model_copy = m_.plan.params_on_host ? m_.param_shard + at * m_.p_size : copy + at * m_.p_size;
+  u.model_dtype = m_.pdt;
+  u.count = bucket.shard_size;
   // In slices that fit the CPU's last-level cache, so the EMA reads the
   // master weights the update just wrote from cache, not from DRAM
-  // (element-wise kernels: the same bits as one call over the bucket).
+  // (element-wise kernels: the same bits as one call over the bucket), and
+  // never across a group's run.
   constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
-  for (std::size_t lo = 0; lo < n; lo += kSlice) {
-    ShardUpdate part;
-    part.master = m_.master + at + lo;
-    part.grad = grads + (at + lo) * g;
-    part.grad_dtype = m_.gdt;
-    part.state0 = m_.state0 ? m_.state0 + at + lo : nullptr;
-    part.state1 = m_.state1 ? m_.state1 + at + lo : nullptr;
-    part.model_copy = model + lo * p;
-    part.model_dtype = m_.pdt;
-    part.count = std::min(kSlice, n - lo);
-    m_.backend.host_optimizer_step(args.optimizer, args.scalars, part);
-    if (m_.ema) m_.backend.host_ema_update(m_.ema + at + lo, m_.master + at + lo, part.count, args.ema_decay);
+  for (const Engine::Impl::Segment& s : m_.segments[b]) {
+    const GroupStep& group = args.groups[static_cast<std::size_t>(s.group)];
+    for (std::size_t lo = s.begin; lo < s.begin + s.count; lo += kSlice) {
+      const ShardUpdate part = u.slice(lo, std::min(kSlice, s.begin + s.count - lo));
+      m_.backend.host_optimizer_step(group.optimizer, group.scalars, part);
+      if (m_.ema) m_.backend.host_ema_update(m_.ema + at + lo, part.master, part.count, args.ema_decay);
+    }
   }
 }
 

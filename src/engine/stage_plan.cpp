@@ -41,6 +41,22 @@ void EngineOptions::validate() const {
              "EngineOptions.offload.delayed_update_warmup_steps must be >= 0, got ",
              offload.delayed_update_warmup_steps);
   optimizer.validate();
+  for (std::size_t g = 0; g < param_groups.size(); ++g) {
+    const ParamGroupOptions& group = param_groups[g];
+    const std::string what = "EngineOptions.param_groups[" + std::to_string(g) + "] ('" + group.name + "')";
+    ZERO_CHECK(std::isfinite(group.lr_scale) && group.lr_scale >= 0, what, ".lr_scale must be finite and >= 0, got ",
+               group.lr_scale);
+    const OptimizerOptions resolved = group.resolve(optimizer);
+    try {
+      resolved.validate();
+    } catch (const InvalidArgument& e) {
+      ZERO_THROW(InvalidArgument, what, ": ", e.message());
+    }
+    // Every parameter has the same state tensors: one layout for the state.
+    ZERO_CHECK(resolved.state_slots() == optimizer.state_slots(), what, ": momentum ", resolved.momentum,
+               " changes the optimizer's state tensors (", resolved.state_slots(), " instead of ",
+               optimizer.state_slots(), "); give every group momentum > 0, or none");
+  }
   if (effective_loss_scaling()) loss_scaler.validate();
 }
 

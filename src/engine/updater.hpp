@@ -14,16 +14,22 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "zero/engine/engine.hpp"
 #include "zero/optim/optimizer.hpp"
 
 namespace zero::detail {
 
+/// One parameter group's optimizer and step scalars.
+struct GroupStep {
+  OptimizerOptions optimizer;
+  StepScalars scalars;
+};
+
 /// A step the engine decided to apply.
 struct UpdateArgs {
-  const OptimizerOptions& optimizer;
-  StepScalars scalars;
+  std::vector<GroupStep> groups;  // by group index
   double ema_decay = 0;
   std::int64_t step = 0;  // optimizer steps applied, this one included
 };

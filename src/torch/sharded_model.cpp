@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace zero::adapter {
@@ -122,15 +123,30 @@ struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
 }  // namespace
 
 ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& options, Communicator& comm,
-                           Backend& backend)
+                           Backend& backend, const GroupOf& group_of)
     : backend_(backend),
       device_(device_of(backend)),
       param_type_(scalar_type_of(options.param_dtype)),
       grad_type_(scalar_type_of(options.effective_grad_dtype())) {
   ZERO_CHECK(!units.empty(), "ShardedModel: no units (no parameters to train)");
   std::vector<std::vector<ParamSpec>> groups;
-  for (const UnitSpec& unit : units) {
+  for (UnitSpec& unit : units) {
     ZERO_CHECK(!unit.params.empty(), "ShardedModel: unit '", unit.name, "' has no parameters");
+    std::vector<int> group_ids;
+    for (const auto& named : unit.params) group_ids.push_back(group_of ? group_of(named.first) : 0);
+    if (group_of) {  // ordered by group, stable: each group's parameters together
+      std::vector<std::size_t> order(unit.params.size());
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return group_ids[a] < group_ids[b]; });
+      std::vector<std::pair<std::string, torch::Tensor>> sorted;
+      std::vector<int> sorted_ids;
+      for (std::size_t i : order) {
+        sorted.push_back(unit.params[i]);
+        sorted_ids.push_back(group_ids[i]);
+      }
+      unit.params = std::move(sorted);
+      group_ids = std::move(sorted_ids);
+    }
     Unit u;
     u.name = unit.name;
     u.first_param = params_.size();
@@ -140,7 +156,8 @@ ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& opt
       ZERO_CHECK(tensor.defined(), "ShardedModel: parameter '", name, "' is undefined");
       for (const torch::Tensor& seen : params_)
         ZERO_CHECK(!seen.is_same(tensor), "ShardedModel: parameter '", name, "' appears in more than one unit");
-      group.push_back({name, static_cast<std::size_t>(tensor.numel()), tensor.sizes().vec()});
+      group.push_back({name, static_cast<std::size_t>(tensor.numel()), tensor.sizes().vec(),
+                       group_ids[group.size()]});
       params_.push_back(tensor);
     }
     groups.push_back(std::move(group));

@@ -104,7 +104,21 @@ struct Config {
   bool offload = false;  // EngineOptions::offload_optimizer
   bool offload_params = false;  // EngineOptions::offload_params (stage 3)
   double ema_decay = 0;
+  /// Parameter groups (EngineOptions::param_groups) and each parameter's
+  /// group, in mlp_units() order; empty: one group.
+  std::vector<ParamGroupOptions> groups;
+  std::vector<int> param_group;
+  int group_of(int param) const { return param_group.empty() ? 0 : param_group[static_cast<std::size_t>(param)]; }
 };
+
+/// mlp_units() with each parameter in its group of `c`.
+inline std::vector<std::vector<ParamSpec>> mlp_units_of(const Config& c) {
+  auto units = mlp_units();
+  int i = 0;
+  for (auto& unit : units)
+    for (ParamSpec& p : unit) p.group = c.group_of(i++);
+  return units;
+}
 
 inline EngineOptions engine_options(const Config& c, int stage) {
   EngineOptions o;
@@ -118,6 +132,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.offload.optimizer = c.offload;
   o.offload.params = c.offload_params;
   o.ema.decay = c.ema_decay;
+  o.param_groups = c.groups;
   return o;
 }
 
@@ -127,7 +142,7 @@ struct Trained {
 };
 
 inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Backend& backend) {
-  Engine engine(mlp_units(), engine_options(c, stage), comm, backend);
+  Engine engine(mlp_units_of(c), engine_options(c, stage), comm, backend);
   const auto init = initial_params();
   for (int i = 0; i < kParamCount; ++i) engine.set_param(i, init[i].data());
   Trained out;
@@ -221,8 +236,12 @@ inline Trained train_reference(const Config& c, int world) {
     out.norms.push_back(norm);
     double coef = 1;
     if (c.max_grad_norm > 0 && norm > c.max_grad_norm) coef = c.max_grad_norm / (norm + 1e-6);
-    const StepScalars s = make_step_scalars(c.optimizer, step + 1, c.optimizer.lr, coef / c.accumulation);
+    const EngineOptions grouped = engine_options(c, 0);
     for (int i = 0; i < kParamCount; ++i) {
+      const auto g = static_cast<std::size_t>(c.group_of(i));
+      const OptimizerOptions opt = grouped.group_optimizer(g);
+      const StepScalars s =
+          make_step_scalars(opt, step + 1, c.optimizer.lr * grouped.group_lr_scale(g), coef / c.accumulation);
       ShardUpdate u;
       u.master = master[i].data();
       u.grad = sum[i].data();
@@ -230,7 +249,7 @@ inline Trained train_reference(const Config& c, int world) {
       u.state0 = m[i].data();
       u.state1 = v[i].data();
       u.count = master[i].size();
-      cpu_optimizer_step(c.optimizer, s, u, CpuKernel::reference);
+      cpu_optimizer_step(opt, s, u, CpuKernel::reference);
     }
   }
   out.master = master;
@@ -284,6 +303,15 @@ inline std::vector<Config> configs() {
   lion.optimizer.lr = 1e-3;
   lion.optimizer.beta2 = 0.99;
   out.push_back(lion);
+  // Parameter groups: biases without weight decay, the output layer at half
+  // the learning rate with other betas, the gain in a group of its own.
+  Config grouped = out.front();
+  grouped.groups = {{.name = "default"},
+                    {.name = "no_decay", .weight_decay = 0.0},
+                    {.name = "head", .lr_scale = 0.5, .beta1 = 0.8, .beta2 = 0.99},
+                    {.name = "gain", .lr_scale = 2.0, .weight_decay = 0.0, .eps = 1e-6}};
+  grouped.param_group = {0, 1, 2, 1, 3, 0};  // W1 B1 W2 B2 GAIN UNUSED
+  out.push_back(grouped);
   Config sgd;
   sgd.optimizer.kind = OptimizerKind::sgd;
   sgd.optimizer.lr = 0.05;

@@ -64,6 +64,9 @@ struct ParamSpec {
   std::string name;
   std::size_t numel = 0;
   std::vector<std::int64_t> shape;  // optional; product must equal numel when given
+  /// The parameter group (EngineOptions::param_groups) whose optimizer
+  /// hyperparameters update it; 0 with no groups.
+  int group = 0;
 };
 
 struct LayoutOptions {

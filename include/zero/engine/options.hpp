@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "zero/core/dtype.hpp"
 #include "zero/optim/loss_scaler.hpp"
@@ -83,6 +85,28 @@ struct OffloadOptions {
   int delayed_update_warmup_steps = 0;
 };
 
+/// A parameter group: the optimizer hyperparameters of some parameters
+/// (ParamSpec::group indexes EngineOptions::param_groups). What a group does
+/// not set is the engine's OptimizerOptions. The learning rate is the
+/// engine's (set_lr, the schedule) times lr_scale.
+struct ParamGroupOptions {
+  std::string name;
+  double lr_scale = 1.0;
+  std::optional<double> weight_decay;
+  std::optional<double> beta1, beta2, eps;  // AdamW, Lion
+  std::optional<double> momentum;           // SGD (with momentum > 0 exactly when the base has it)
+  /// The base options with this group's values in place.
+  OptimizerOptions resolve(const OptimizerOptions& base) const {
+    OptimizerOptions o = base;
+    if (weight_decay) o.weight_decay = *weight_decay;
+    if (beta1) o.beta1 = *beta1;
+    if (beta2) o.beta2 = *beta2;
+    if (eps) o.eps = *eps;
+    if (momentum) o.momentum = *momentum;
+    return o;
+  }
+};
+
 struct EngineOptions {
   int stage = 2;
   /// Parameters as the model computes with them. fp32 needs no master copy.
@@ -95,6 +119,10 @@ struct EngineOptions {
   /// Global-norm clipping threshold; 0 disables clipping.
   double max_grad_norm = 0;
   OptimizerOptions optimizer{};
+  /// Parameter groups (lr scale, weight decay, betas, eps, momentum per
+  /// group); empty: every parameter in one group with `optimizer`'s values.
+  /// Fixed at construction and saved in checkpoints.
+  std::vector<ParamGroupOptions> param_groups;
   /// Dynamic loss scaling; defaults to on for fp16 params, off otherwise.
   std::optional<bool> loss_scaling;
   LossScalerOptions loss_scaler{};
@@ -106,6 +134,13 @@ struct EngineOptions {
   int max_consecutive_nonfinite = 0;
 
   DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
+  /// Groups in use: at least one.
+  std::size_t group_count() const { return param_groups.empty() ? 1 : param_groups.size(); }
+  /// The optimizer options of group g (the base options with no groups).
+  OptimizerOptions group_optimizer(std::size_t g) const {
+    return param_groups.empty() ? optimizer : param_groups.at(g).resolve(optimizer);
+  }
+  double group_lr_scale(std::size_t g) const { return param_groups.empty() ? 1.0 : param_groups.at(g).lr_scale; }
   bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
   /// Throws zero::InvalidArgument naming the option and what was expected.
   void validate() const;

@@ -175,6 +175,18 @@ struct ShardUpdate {
   void* model_copy = nullptr;             // optional: updated params rounded to model_dtype
   DType model_dtype = DType::bf16;
   std::size_t count = 0;
+
+  /// Elements [begin, begin + n) of this span.
+  ShardUpdate slice(std::size_t begin, std::size_t n) const {
+    ShardUpdate part = *this;
+    part.master = master + begin;
+    part.grad = static_cast<const std::byte*>(grad) + begin * size_of(grad_dtype);
+    part.state0 = state0 ? state0 + begin : nullptr;
+    part.state1 = state1 ? state1 + begin : nullptr;
+    part.model_copy = model_copy ? static_cast<std::byte*>(model_copy) + begin * size_of(model_dtype) : nullptr;
+    part.count = n;
+    return part;
+  }
 };
 
 /// Which CPU implementation to run.

@@ -51,7 +51,14 @@ class ShardedModel {
   /// Takes over the parameters in `units` (every parameter that should train
   /// must be in exactly one unit). Their current values become the initial
   /// weights; every rank must hold the same values (checked).
-  ShardedModel(std::vector<UnitSpec> units, const EngineOptions& options, Communicator& comm, Backend& backend);
+  ///
+  /// `group_of` gives each parameter's group (EngineOptions::param_groups)
+  /// by name; none: group 0. Inside a unit the parameters are laid out
+  /// ordered by group (stable), so a bucket holds few runs of one group and
+  /// the optimizer needs few launches per bucket.
+  using GroupOf = std::function<int(const std::string& name)>;
+  ShardedModel(std::vector<UnitSpec> units, const EngineOptions& options, Communicator& comm, Backend& backend,
+               const GroupOf& group_of = {});
   ~ShardedModel();
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;

@@ -6,9 +6,12 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "zero/comm/mpi_communicator.hpp"
+#include "zero/core/name_patterns.hpp"
 #include "zero/torch/sharded_model.hpp"
 
 // LibTorch pulls in glog, whose CHECK aborts the process; use doctest's.
@@ -193,4 +196,100 @@ TEST_CASE("bind_gradients_to_engine refuses what has no full gradient buffer, na
   mixed.param_dtype = DType::bf16;
   mixed.grad_dtype = DType::fp32;
   CHECK_THROWS_WITH_AS(attempt(mixed), doctest::Contains("dtype"), InvalidArgument);
+}
+
+TEST_CASE("parameter groups: ShardedModel at stages 0..3 equals torch::optim::AdamW with the same groups") {
+  // Biases without weight decay; the output layer's weight at half the
+  // learning rate with other betas; the rest with the base options. Groups by
+  // name pattern, as a trainer gives them.
+  torch::set_num_threads(1);
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  constexpr int kGroupSteps = 20;
+  const std::vector<NamedPatterns> patterns = {{"no_decay", {"*.bias"}}, {"head", {"fc3.weight"}}};
+  std::vector<ParamGroupOptions> groups = {{.name = "default"},
+                                           {.name = "no_decay", .weight_decay = 0.0},
+                                           {.name = "head", .lr_scale = 0.5, .beta1 = 0.8, .beta2 = 0.99}};
+
+  // The reference: torch's AdamW with one param group per engine group.
+  Net ref = make_net();
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> tensors;
+  for (auto& item : ref->named_parameters()) {
+    names.push_back(item.key());
+    tensors.push_back(item.value());
+  }
+  const std::vector<int> group_of = assign_by_patterns(names, patterns, "test groups");
+  std::vector<torch::optim::OptimizerParamGroup> torch_groups;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    std::vector<torch::Tensor> members;
+    for (std::size_t i = 0; i < names.size(); ++i)
+      if (static_cast<std::size_t>(group_of[i]) == g) members.push_back(tensors[i]);
+    EngineOptions base;
+    base.optimizer.lr = kLr;
+    base.optimizer.weight_decay = kDecay;
+    base.param_groups = groups;
+    const OptimizerOptions o = base.group_optimizer(g);
+    auto options = std::make_unique<torch::optim::AdamWOptions>(kLr * base.group_lr_scale(g));
+    options->weight_decay(o.weight_decay).betas({o.beta1, o.beta2}).eps(o.eps);
+    torch_groups.emplace_back(members, std::move(options));
+  }
+  torch::optim::AdamW optimizer(torch_groups, torch::optim::AdamWOptions(kLr));
+  for (int step = 0; step < kGroupSteps; ++step) {
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < comm.size(); ++r) {
+      auto [x, y] = batch(step, r);
+      xs.push_back(x);
+      ys.push_back(y);
+    }
+    optimizer.zero_grad();
+    torch::mse_loss(forward_plain(ref, torch::cat(xs)), torch::cat(ys)).backward();
+    optimizer.step();
+  }
+  std::map<std::string, torch::Tensor> want;
+  for (auto& item : ref->named_parameters()) want[item.key()] = item.value().detach();
+
+  std::vector<std::vector<float>> first;
+  for (int stage = 0; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    Net net = make_net();
+    EngineOptions options;
+    options.stage = stage;
+    options.param_dtype = DType::fp32;
+    options.buckets.alignment_elements = 4;
+    options.optimizer.lr = kLr;
+    options.optimizer.weight_decay = kDecay;
+    options.param_groups = groups;
+    std::vector<std::string> all;
+    for (auto& item : net->named_parameters()) all.push_back(item.key());
+    const std::vector<int> ids = assign_by_patterns(all, patterns, "test groups");
+    ShardedModel model(adapter::units_by_child(*net), options, comm, *backend, [&](const std::string& name) {
+      return ids[static_cast<std::size_t>(std::find(all.begin(), all.end(), name) - all.begin())];
+    });
+    for (int step = 0; step < kGroupSteps; ++step) {
+      auto [x, y] = batch(step, comm.rank());
+      variable_list h = model.run_unit(0, {x}, [&](const variable_list& in) -> variable_list { return {torch::tanh(net->fc1(in[0]))}; });
+      h = model.run_unit(1, h, [&](const variable_list& in) -> variable_list { return {torch::tanh(net->fc2(in[0]))}; });
+      h = model.run_unit(2, h, [&](const variable_list& in) -> variable_list { return {net->fc3(in[0])}; });
+      torch::mse_loss(h[0], y).backward();
+      model.finish_micro_step();
+      REQUIRE(model.step().applied);
+    }
+    const auto master = model.engine().gather_master_params();
+    double worst = 0;
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      const std::string& name = model.engine().layout().params()[i].name;
+      CAPTURE(name);
+      CHECK(model.engine().layout().params()[i].group == ids[static_cast<std::size_t>(std::find(all.begin(), all.end(), name) - all.begin())]);
+      const torch::Tensor& w = want.at(name);
+      torch::Tensor got = torch::from_blob(const_cast<float*>(master[i].data()), w.sizes(), torch::kFloat32);
+      worst = std::max(worst, ((got - w).abs().max() / w.abs().max()).item<double>());
+    }
+    if (comm.rank() == 0) MESSAGE("groups, stage ", stage, ": max relative error vs torch AdamW ", worst);
+    // The issue's bound for groups: 1e-6 relative after 20 steps (measured
+    // 1.8e-7 at N = 1, 2.2e-7 at N = 3: the gradients' summation order).
+    CHECK(worst <= 1e-6);
+    if (first.empty()) first = master;
+    CHECK(master == first);  // every stage: the same bits
+  }
 }

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +37,7 @@
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
 #include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
+#include "train_groups.hpp"             // parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
 #include "unet.hpp"                     // UNet2DConditionModel
 #include "unet_io.hpp"                  // read_unet_config, load_unet_weights
@@ -121,18 +123,31 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   m.unet = UNet2DConditionModel(m.config);
   if (!cfg.model_weights.empty()) load_unet_weights(*m.unet, cfg.model_weights);
   std::vector<zero::adapter::UnitSpec> units;
+  std::vector<std::string> names;
+  std::vector<std::int64_t> numels;
   for (const ParameterUnit& u : m.unet->units()) {
     units.push_back({u.name, u.parameters});
-    for (auto& [n, t] : u.parameters) m.parameter_names.push_back(n);
+    for (auto& [n, t] : u.parameters) {
+      names.push_back(n);
+      numels.push_back(t.numel());
+    }
   }
   zero::EngineOptions options = engine_options(cfg);
+  const ParamGrouping grouping = group_parameters(cfg, names);
+  options.param_groups = grouping.groups;
+  if (leader) std::printf("%s", describe_grouping(grouping, options.optimizer, numels).c_str());
+  std::map<std::string, int> group_by_name;
+  for (std::size_t i = 0; i < names.size(); ++i) group_by_name[names[i]] = grouping.group_of[i];
   // The memory planner's view of the run (its constants are calibrated for
   // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
   const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader);
-  m.sharded = std::make_unique<zero::adapter::ShardedModel>(std::move(units), options, runtime.communicator(),
-                                                            runtime.backend());
+  m.sharded = std::make_unique<zero::adapter::ShardedModel>(
+      std::move(units), options, runtime.communicator(), runtime.backend(),
+      [&group_by_name](const std::string& name) { return group_by_name.at(name); });
+  // The engine lays each unit out by group: the export names follow its order.
+  for (const zero::ParamSpec& p : m.sharded->engine().layout().params()) m.parameter_names.push_back(p.name);
   if (cap > 0) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
   m.unet->set_activation_checkpointing(cfg.activation_checkpointing);
   m.unet->set_channels_last(cfg.channels_last);

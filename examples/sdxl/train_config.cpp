@@ -164,6 +164,54 @@ void set_from_text(const Option& o, const std::string& text) {
       o.field);
 }
 
+std::vector<std::string> string_list(const toml::node& node, const std::string& where) {
+  const toml::array* array = node.as_array();
+  ZERO_CHECK(array != nullptr, where, ": expected an array of strings (glob patterns), got ", node.type());
+  std::vector<std::string> out;
+  for (const toml::node& item : *array) {
+    auto text = item.value<std::string>();
+    ZERO_CHECK(item.is_string() && text && !text->empty(), where, ": expected non-empty strings, got ", item.type());
+    out.push_back(*text);
+  }
+  return out;
+}
+
+/// [[optimizer.groups]]: each a table of params (patterns), lr_scale and
+/// weight_decay (optional), name (optional).
+std::vector<TrainConfig::OptimizerGroup> optimizer_groups_of(const toml::node& node, const std::string& origin) {
+  const toml::array* array = node.as_array();
+  ZERO_CHECK(array != nullptr && array->is_array_of_tables(), origin,
+             ": optimizer.groups must be an array of tables ([[optimizer.groups]]), got ", node.type());
+  std::vector<TrainConfig::OptimizerGroup> out;
+  for (std::size_t i = 0; i < array->size(); ++i) {
+    const std::string where = origin + ": [[optimizer.groups]] #" + std::to_string(i + 1);
+    TrainConfig::OptimizerGroup group;
+    group.name = "group " + std::to_string(i + 1);
+    for (const auto& [key_node, value] : *array->get(i)->as_table()) {
+      const std::string key(key_node.str());
+      if (key == "params") {
+        group.params = string_list(value, where + " params");
+      } else if (key == "name") {
+        auto text = value.value<std::string>();
+        ZERO_CHECK(value.is_string() && text && !text->empty(), where, " name: expected a non-empty string");
+        group.name = *text;
+      } else if (key == "lr_scale" || key == "weight_decay") {
+        ZERO_CHECK(value.is_number(), where, " ", key, ": expected a number, got ", value.type());
+        const double x = *value.value<double>();
+        ZERO_CHECK(std::isfinite(x) && x >= 0, where, " ", key, ": must be finite and >= 0, got ", x);
+        if (key == "lr_scale") group.lr_scale = x;
+        else group.weight_decay = x;
+      } else {
+        ZERO_THROW(zero::InvalidArgument, where, ": unknown key '", key,
+                   "' (expected params, lr_scale, weight_decay, name)");
+      }
+    }
+    ZERO_CHECK(!group.params.empty(), where, ": params is missing or empty (glob patterns of parameter names)");
+    out.push_back(std::move(group));
+  }
+  return out;
+}
+
 void apply_toml(TrainConfig& config, const toml::table& root, const std::string& origin) {
   auto options = options_of(config);
   for (const auto& [table_key, table_node] : root) {
@@ -173,6 +221,14 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
                "' must be a table ([model], [data], [train], [optimizer], [zero], [output], [device])");
     for (const auto& [key_node, value] : *entries) {
       const std::string key(key_node.str());
+      if (table == "optimizer" && key == "no_weight_decay") {
+        config.no_weight_decay = string_list(value, origin + ": [optimizer] no_weight_decay");
+        continue;
+      }
+      if (table == "optimizer" && key == "groups") {
+        config.optimizer_groups = optimizer_groups_of(value, origin);
+        continue;
+      }
       const Option* match = nullptr;
       for (const Option& o : options)
         if (table == o.table && key == o.key) match = &o;
@@ -265,12 +321,30 @@ std::string TrainConfig::to_toml() const {
   TrainConfig copy = *this;
   std::ostringstream out;
   std::string table;
+  auto patterns = [](const std::vector<std::string>& list) {
+    toml::array array;
+    for (const std::string& p : list) array.push_back(p);
+    std::ostringstream text;
+    text << array;
+    return text.str();
+  };
+  auto close_table = [&] {
+    if (table == "optimizer" && !no_weight_decay.empty())
+      out << "no_weight_decay = " << patterns(no_weight_decay) << "\n";
+  };
   for (const Option& o : options_of(copy)) {
     if (table != o.table) {
+      close_table();
       table = o.table;
       out << (out.tellp() > 0 ? "\n" : "") << "[" << table << "]\n";
     }
     out << o.key << " = " << show(o.field) << "\n";
+  }
+  close_table();
+  for (const OptimizerGroup& g : optimizer_groups) {
+    out << "\n[[optimizer.groups]]\nname = " << toml::value<std::string>(g.name) << "\nparams = " << patterns(g.params)
+        << "\nlr_scale = " << g.lr_scale << "\n";
+    if (g.weight_decay) out << "weight_decay = " << *g.weight_decay << "\n";
   }
   return out.str();
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,18 @@ struct TrainConfig {
   double max_grad_norm = 1.0;          // 0: no clipping
   std::int64_t max_nonfinite_steps = 20;  // steps in a row with non-finite gradients before stopping (0: never)
   double ema_decay = 0;                // 0: no EMA
+  /// [optimizer] no_weight_decay = ["*.bias", "*norm*"]: parameters (glob
+  /// patterns on diffusers names) trained without weight decay.
+  std::vector<std::string> no_weight_decay;
+  /// [[optimizer.groups]]: parameters (patterns) with their own learning-rate
+  /// scale and weight decay; the rest form the default group.
+  struct OptimizerGroup {
+    std::string name;
+    std::vector<std::string> params;
+    double lr_scale = 1.0;
+    std::optional<double> weight_decay;
+  };
+  std::vector<OptimizerGroup> optimizer_groups;
   // [zero]
   std::int64_t stage = 2;
   double bucket_mib = 32;

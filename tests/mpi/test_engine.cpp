@@ -39,11 +39,11 @@ TEST_CASE("stages 0..3 equal unsharded training and each other") {
       // error then grew with N past a 2e-2 fitted at N = 2 and 4). What is left
       // is fp32 summation order, independent of N: fp32 within 1e-6; bf16
       // within u = 2^-8 ~ 4e-3, one bf16 rounding step, should that order ever
-      // flip a rounding (measured: 0 for bf16 and at most 1.4e-7 for fp32 at
-      // every N from 1 to 8; `ctest -L sweep` runs them all).
+      // flip a rounding (measured at every N from 1 to 8: at most 1.4e-7 for
+      // bf16 and for fp32; `ctest -C sweep -L sweep` runs them all).
       const double tolerance = c.dtype == DType::fp32 ? 1e-6 : 4e-3;
       if (comm.rank() == 0)
-        MESSAGE(c.dtype, " stage ", stage, " max relative error vs reference: ", error);
+        MESSAGE(name_of(c.dtype), " stage ", stage, " max relative error vs reference: ", error);
       CHECK(error <= tolerance);
       for (int s = 0; s < kSteps; ++s)
         CHECK(by_stage.back().norms[s] == doctest::Approx(reference.norms[s]).epsilon(c.dtype == DType::fp32 ? 1e-5 : 2e-2));

@@ -233,7 +233,10 @@ int main(int argc, char** argv) {
   CLI::App* consolidate_cmd =
       app.add_subcommand("consolidate", "Write the full weights (and optimizer state) to one safetensors file");
   consolidate_cmd->add_option("DIR", dir, "checkpoint folder (or a folder of them: the newest)")->required();
-  consolidate_cmd->add_option("--out", out, "output .safetensors file (replaced atomically)")->required();
+  consolidate_cmd
+      ->add_option("--out", out,
+                   "output .safetensors file (replaced atomically); outside the checkpoint folder, none of its files")
+      ->required();
   consolidate_cmd->add_option("--dtype", dtype, "fp32 (exact) or bf16 (round to nearest even)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();

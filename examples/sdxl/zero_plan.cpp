@@ -10,7 +10,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -59,12 +61,30 @@ std::size_t parse_size(const std::string& text, const std::string& option) {
   return bytes;
 }
 
+// Bounds on the inputs that scale the planner's work and memory: it runs the
+// real engine on a counting backend, so a parameter count means buckets to
+// walk, and the micro-steps walk them again. 1e13 parameters is 40 TB of fp32
+// master weights, beyond any run this models; the other bounds are as far
+// beyond practice and keep every product below in range.
+constexpr double kMaxParams = 1e13;
+constexpr int kMaxWorldSize = 1 << 20;  // as checkpoint manifests
+constexpr int kMaxGpusPerHost = 1024;
+constexpr int kMaxBatch = 1'000'000;
+constexpr int kMaxAccumulation = 10'000;
+constexpr std::int64_t kMaxLatentSize = 16384;  // 131072 pixels a side
+constexpr int kMaxInFlight = 1024;
+constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB
+/// Buckets times micro-steps the planner walks (a --params model): 1e13
+/// parameters in the default 32 MiB buckets are 6e5 buckets, 4 s and 0.2 GB;
+/// the bound keeps any accepted input under about 7 s and 0.4 GB.
+constexpr double kMaxBucketVisits = 1e6;
+
 std::size_t parse_count(const std::string& text) {
   // 2567463684, 2.6e9: a positive number of parameters.
   char* end = nullptr;
   const double value = std::strtod(text.c_str(), &end);
-  ZERO_CHECK(end != text.c_str() && *end == '\0' && std::isfinite(value) && value >= 1,
-             "--params: '", text, "' is not a positive parameter count (e.g. 2567463684 or 2.6e9)");
+  ZERO_CHECK(end != text.c_str() && *end == '\0' && std::isfinite(value) && value >= 1 && value <= kMaxParams,
+             "--params: '", text, "' is not a parameter count in [1, 1e13] (e.g. 2567463684 or 2.6e9)");
   return static_cast<std::size_t>(std::llround(value));
 }
 
@@ -84,9 +104,10 @@ void define_options(CLI::App& app, Options& o) {
   auto* unet_option = app.add_option("--unet-config", o.unet_config,
                                      "sdxl-base, a diffusers UNet config.json, or a model folder: one unit per block");
   params_option->excludes(unet_option);
-  app.add_option("--world-size", o.world_size, "GPUs (ranks) N")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--world-size", o.world_size, "GPUs (ranks) N")
+      ->capture_default_str()->check(CLI::Range(1, kMaxWorldSize));
   app.add_option("--gpus-per-host", o.gpus_per_host, "ranks sharing one host's memory")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(CLI::Range(1, kMaxGpusPerHost));
   app.add_option("--stage", o.stage, "ZeRO stage 0-3")->capture_default_str()->check(CLI::Range(0, 3));
   app.add_option("--precision", o.precision, "bf16, fp16 or fp32 (parameters and gradients)")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
@@ -99,17 +120,18 @@ void define_options(CLI::App& app, Options& o) {
   app.add_flag("--delayed-update", o.delayed_update,
                "with --offload-optimizer: the CPU update overlaps the next step (parameters one update old; "
                "doubles the host staging)");
-  app.add_option("--batch", o.batch, "samples per GPU and micro-step")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch", o.batch, "samples per GPU and micro-step")
+      ->capture_default_str()->check(CLI::Range(1, kMaxBatch));
   app.add_option("--accumulation", o.accumulation, "micro-steps per step")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(CLI::Range(1, kMaxAccumulation));
   app.add_option("--accumulation-mode", o.accumulation_mode, "each (reduce every micro-step) or boundary")
       ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
   app.add_flag("--checkpointing", o.checkpointing, "activation checkpointing (recompute each block in backward)");
   app.add_option("--latent-size", o.latent_size, "latent height = width (128 = 1024x1024 pixels)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(CLI::Range(std::int64_t{1}, kMaxLatentSize));
   app.add_option("--bucket-mib", o.bucket_mib, "bucket size with --params")->capture_default_str();
   app.add_option("--max-reductions-in-flight", o.in_flight, "engine option")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(CLI::Range(1, kMaxInFlight));
   app.add_flag("--fp32-accumulate", o.fp32_accumulate, "NCCL half reductions through fp32 scratch");
   app.add_option("--activation-per-sample", o.per_sample_text, "override: activation bytes per sample (e.g. 2GiB)");
   app.add_option("--activation-fixed", o.fixed_text, "override: activation bytes independent of the batch");
@@ -167,8 +189,19 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.engine.accumulation_steps = o.accumulation;
   in.engine.accumulation = o.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                              : zero::GradAccumulation::reduce_each_micro_step;
-  ZERO_CHECK(o.bucket_mib > 0, "--bucket-mib must be positive, got ", o.bucket_mib);
+  ZERO_CHECK(std::isfinite(o.bucket_mib) && o.bucket_mib > 0 && o.bucket_mib <= kMaxBucketMiB,
+             "--bucket-mib: expected a size in MiB in (0, 1048576], got ", o.bucket_mib);
   in.engine.buckets.bytes = static_cast<std::size_t>(o.bucket_mib * (1 << 20));
+  if (in.param_count > 0) {
+    // The planner walks every bucket once per micro-step: bound that work.
+    const double per_bucket = std::max(1.0, std::floor(static_cast<double>(in.engine.buckets.bytes) /
+                                                       static_cast<double>(zero::size_of(in.engine.param_dtype))));
+    const double buckets = std::ceil(static_cast<double>(in.param_count) / per_bucket);
+    ZERO_CHECK(buckets * o.accumulation <= kMaxBucketVisits, "--params ", o.params_text, " in buckets of --bucket-mib ",
+               o.bucket_mib, " is ", static_cast<long long>(buckets), " buckets, times --accumulation ",
+               o.accumulation, " micro-steps: more than the 1000000 bucket visits zero-plan simulates; raise "
+               "--bucket-mib or lower --accumulation");
+  }
   in.engine.buckets.max_reductions_in_flight = o.in_flight;
   in.fp32_accumulate_reductions = o.fp32_accumulate;
   in.batch = o.batch;

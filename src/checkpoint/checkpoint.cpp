@@ -104,6 +104,19 @@ void read_training_state(const Reader& root, CheckpointManifest& m) {
   m.config = root.string("config");
 }
 
+// What a directory entry is, for "is not a regular file (it is ...)".
+const char* file_kind(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::fifo: return "a FIFO (named pipe)";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::symlink: return "a symbolic link";
+    default: return "not a plain file";
+  }
+}
+
 Json json_text(const std::string& text, std::string_view what) {
   // Round trip through the strict serializer: invalid UTF-8 is refused here,
   // not silently replaced, so the manifest always reads back.
@@ -276,8 +289,16 @@ void verify_checkpoint_file(const fs::path& folder, const CheckpointManifest& ma
   const ManifestFile& entry = manifest.files[index];
   const fs::path file = folder / entry.file;
   std::error_code ec;
+  const fs::file_status status = fs::status(file, ec);
+  if (!fs::exists(status))
+    ZERO_THROW(IoError, "checkpoint file ", file.string(), " is missing (",
+               ec ? ec.message() : std::string("no such file"), ")");
+  // A FIFO or a device would block or never end the checksum below; a folder has no size.
+  if (!fs::is_regular_file(status))
+    ZERO_THROW(IoError, "checkpoint file ", file.string(), " is not a regular file (it is ", file_kind(status.type()),
+               "): expected the rank's safetensors file");
   const auto size = fs::file_size(file, ec);
-  if (ec) ZERO_THROW(IoError, "checkpoint file ", file.string(), " is missing (", ec.message(), ")");
+  if (ec) ZERO_THROW(IoError, "cannot read the size of checkpoint file ", file.string(), " (", ec.message(), ")");
   if (size != entry.bytes)
     ZERO_THROW(IoError, "checkpoint file ", file.string(), " has ", size, " bytes, the manifest says ", entry.bytes,
                " (truncated or replaced)");

@@ -3,6 +3,8 @@
 // shards into one file of full tensors.
 #include <algorithm>
 #include <cstring>
+#include <system_error>
+#include <vector>
 
 #include "zero/engine/engine.hpp"
 #include "zero/engine/engine_state.hpp"
@@ -100,6 +102,38 @@ std::uint16_t to_bf16(float value) {
   return static_cast<std::uint16_t>(bits >> 16);
 }
 
+// True when `path` is `dir` or lies below it (both absolute and canonical).
+bool is_within(const fs::path& path, const fs::path& dir) {
+  const auto [in_dir, in_path] = std::mismatch(dir.begin(), dir.end(), path.begin(), path.end());
+  (void)in_path;
+  return in_dir == dir.end();
+}
+
+// The output is renamed over `out` at the end: inside the folder it would
+// replace a rank file or the manifest (the checkpoint then fails verify) or
+// add a file that rotation deletes with the folder. Links are resolved, so a
+// link to an input, or a path through a link to the folder, is refused too.
+void check_output_outside(const fs::path& folder, const CheckpointManifest& manifest, const fs::path& out) {
+  std::error_code ec;
+  const fs::path real_folder = fs::weakly_canonical(fs::absolute(folder), ec);
+  ZERO_CHECK(!ec, "consolidate: cannot resolve the checkpoint folder '", folder.string(), "': ", ec.message());
+  // Where the rename lands: the real directory of `out`, and `out` resolved itself.
+  const fs::path real_out = fs::weakly_canonical(fs::absolute(out), ec);
+  ZERO_CHECK(!ec, "consolidate: cannot resolve the output path '", out.string(), "': ", ec.message());
+  const fs::path real_out_dir = fs::weakly_canonical(fs::absolute(out).parent_path(), ec);
+  ZERO_CHECK(!ec, "consolidate: cannot resolve the folder of the output '", out.string(), "': ", ec.message());
+  std::vector<fs::path> inputs = {folder / kManifestName};
+  for (const ManifestFile& f : manifest.files) inputs.push_back(folder / f.file);
+  for (const fs::path& input : inputs)
+    if (fs::equivalent(out, input, ec))
+      ZERO_THROW(InvalidArgument, "consolidate: the output '", out.string(), "' is the checkpoint's own file '",
+                 input.string(), "' that it reads; choose an output path outside '", folder.string(), "'");
+  if (is_within(real_out, real_folder) || is_within(real_out_dir, real_folder))
+    ZERO_THROW(InvalidArgument, "consolidate: the output '", out.string(), "' lies inside the checkpoint folder '",
+               folder.string(), "' that it reads (it would replace or add to the checkpoint's files); choose an "
+               "output path outside it");
+}
+
 std::vector<std::string> state_names(const std::string& optimizer, int slots) {
   if (optimizer == "adamw") return {"exp_avg", "exp_avg_sq"};
   if (optimizer == "lion") return {"exp_avg"};
@@ -122,7 +156,17 @@ ConsolidateResult consolidate_checkpoint(const fs::path& folder, const fs::path&
   ZERO_CHECK(options.what == "master" || options.what == "ema", "consolidate: what must be \"master\" or \"ema\", got \"",
              options.what, "\"");
   const CheckpointManifest manifest = read_manifest(folder);
+  check_output_outside(folder, manifest, out);
+  // Sizes and checksums before a byte is used: a flipped bit in a shard
+  // must stop consolidation, not become a weight. (A v1 manifest without
+  // checksums gets the size check only.)
+  verify_checkpoint_files(folder, manifest);
   const OpenShards shards = open_shards(folder, manifest);
+  // The files mapped are the files checked (not replaced since, by size).
+  for (std::size_t r = 0; r < shards.files.size(); ++r)
+    if (shards.files[r].file_size() != manifest.files[r].bytes)
+      ZERO_THROW(IoError, "checkpoint file ", shards.files[r].path().string(), " changed while being read: ",
+                 shards.files[r].file_size(), " bytes, the manifest says ", manifest.files[r].bytes);
   const SavedShard& info = shards.saved.front();
   const FlatLayout& layout = info.layout;
   if (options.what == "ema" && !shards.files.front().find("ema"))

@@ -140,12 +140,19 @@ class MpiWork final : public Work {
 // ---------------------------------------------------------------- MpiCommunicator
 
 std::chrono::milliseconds MpiCommunicator::default_timeout() {
+  // The range keeps the conversion to milliseconds exact and defined: below
+  // 1 ms the timeout would round to 0, and inf, nan or 1e300 do not fit an
+  // integer at all (a float-to-integer conversion out of range is undefined).
+  constexpr double kMinSeconds = 0.001, kMaxSeconds = 1e6;
   if (const char* text = std::getenv("ZERO_COMM_TIMEOUT_S")) {
     char* end = nullptr;
     const double seconds = std::strtod(text, &end);
-    ZERO_CHECK(end != text && *end == '\0' && seconds > 0, "ZERO_COMM_TIMEOUT_S='", text,
-               "' must be a positive number of seconds");
-    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+    const bool number = end != text && *end == '\0';
+    if (!number || !std::isfinite(seconds) || !(seconds >= kMinSeconds && seconds <= kMaxSeconds))
+      ZERO_THROW(InvalidArgument, "ZERO_COMM_TIMEOUT_S='", text,
+                 "': expected a finite number of seconds in [0.001, 1e6] (e.g. 60), ",
+                 number ? "and this is outside that range" : "and this is not a number");
+    return std::chrono::milliseconds(std::llround(seconds * 1000));
   }
   return std::chrono::seconds(60);
 }

@@ -13,7 +13,10 @@ folder plus a reference file of gather_master_params() & co. Then:
 3. --what ema and --optimizer-state give the EMA and the moments under
    PyTorch's names;
 4. verify passes; after flipping one byte, truncating a shard or deleting one
-   it fails, naming the file;
+   it fails, naming the file; a FIFO in place of a shard is "not a regular file";
+   consolidate refuses a flipped byte in the master data or a truncated shard
+   (naming the file, writing nothing), and an --out inside the folder or
+   linked to one of its files (the checkpoint stays as it was);
 5. inspect --json parses and reports step, world size, stage, files.
 """
 import json
@@ -172,6 +175,82 @@ def check_verify(work, folder, label, ranks):
           f"{label}: verify refuses shards in the wrong rank order (version-1 manifest read)")
 
 
+def tensor_range(path, name):
+    """(first, end) byte offsets of tensor `name` in a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    a, b = header[name]["data_offsets"]
+    return 8 + n + a, 8 + n + b
+
+
+def check_output_refused(work, folder, label):
+    """consolidate --out inside the folder, or a link to one of its files, is refused; nothing changes."""
+    victim = os.path.join(folder, "rank-00000.safetensors")
+    link = os.path.join(work, "link.safetensors")
+    os.symlink(os.path.join(folder, "rank-00001.safetensors"), link)
+    before = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+    for out, what in [(victim, "is the checkpoint's own file"),
+                      (os.path.join(folder, "manifest.json"), "is the checkpoint's own file"),
+                      (os.path.join(folder, "full.safetensors"), "lies inside the checkpoint folder"),
+                      (os.path.join(folder, "sub", "..", "x.safetensors"), "lies inside the checkpoint folder"),
+                      (link, "is the checkpoint's own file")]:
+        r = run(ZERO_CKPT, "consolidate", folder, "--out", out)
+        check(r.returncode == 1 and what in r.stderr and out in r.stderr,
+              f"{label}: consolidate --out {os.path.relpath(out, work)} is refused, naming it ({r.stderr.strip()})")
+    after = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+    check(after == before, f"{label}: the refused outputs left the checkpoint folder as it was")
+    check(os.path.islink(link), f"{label}: the refused link output is still the link")
+    os.remove(link)
+    r = run(ZERO_CKPT, "verify", folder)
+    check(r.returncode == 0, f"{label}: the checkpoint still verifies after the refused outputs")
+
+
+def check_consolidate_verifies(work, folder, label):
+    """A flipped byte in a shard's master data, a truncated shard, a FIFO: consolidate fails naming the file,
+    and the output (here an older file) stays as it was, with no temporary file left."""
+    victim = os.path.join(folder, "rank-00001.safetensors")
+    saved = os.path.join(work, "saved-for-consolidate.safetensors")
+    shutil.copyfile(victim, saved)
+    out_dir = os.path.join(work, "consolidated")
+    os.makedirs(out_dir)
+    out = os.path.join(out_dir, "full.safetensors")
+    with open(out, "wb") as f:
+        f.write(b"an older output")
+    first, end = tensor_range(victim, "master")
+    with open(victim, "r+b") as f:
+        f.seek((first + end) // 2)
+        byte = f.read(1)
+        f.seek((first + end) // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    r = run(ZERO_CKPT, "consolidate", folder, "--out", out)
+    check(r.returncode == 1 and "rank-00001.safetensors" in r.stderr and "corrupted" in r.stderr,
+          f"{label}: consolidate refuses a flipped byte in the master data, naming the file ({r.stderr.strip()})")
+    fresh = os.path.join(out_dir, "fresh.safetensors")
+    r = run(ZERO_CKPT, "consolidate", folder, "--out", fresh, "--dtype", "bf16")
+    check(r.returncode == 1 and not os.path.exists(fresh), f"{label}: a refused consolidate writes no output file")
+    shutil.copyfile(saved, victim)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(saved) - 4)
+    r = run(ZERO_CKPT, "consolidate", folder, "--out", out)
+    check(r.returncode == 1 and "rank-00001.safetensors" in r.stderr and "truncated" in r.stderr,
+          f"{label}: consolidate refuses a truncated shard, naming the file ({r.stderr.strip()})")
+    os.remove(victim)
+    os.mkfifo(victim)
+    r = run(ZERO_CKPT, "verify", folder)
+    check(r.returncode == 1 and "rank-00001.safetensors" in r.stdout and "not a regular file" in r.stdout
+          and "FIFO" in r.stdout, f"{label}: verify calls a FIFO rank file not a regular file ({r.stdout.strip()})")
+    r = run(ZERO_CKPT, "consolidate", folder, "--out", out)
+    check(r.returncode == 1 and "not a regular file" in r.stderr, f"{label}: consolidate refuses a FIFO rank file")
+    os.remove(victim)
+    shutil.copyfile(saved, victim)
+    check(open(out, "rb").read() == b"an older output" and os.listdir(out_dir) == ["full.safetensors"],
+          f"{label}: the refused consolidations left the older output and no temporary file")
+    r = run(ZERO_CKPT, "consolidate", folder, "--out", out)
+    check(r.returncode == 0, f"{label}: the restored checkpoint consolidates again")
+    shutil.rmtree(out_dir)
+
+
 def main():
     work = tempfile.mkdtemp(prefix="zero-ckpt-test-")
     try:
@@ -190,6 +269,8 @@ def main():
             check(os.path.exists(os.path.join(folder, "manifest.json")), f"{label}: manifest written")
             check_consolidated(case, folder, reference, label, optimizer)
             check_inspect(root, label + " (root folder)", ranks, stage, optimizer)
+            check_output_refused(case, folder, label)
+            check_consolidate_verifies(case, folder, label)
             check_verify(case, folder, label, ranks)
     finally:
         shutil.rmtree(work, ignore_errors=True)

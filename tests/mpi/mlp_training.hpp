@@ -204,7 +204,57 @@ inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Bac
   return out;
 }
 
-// Single process, unsharded: the global micro-batch is every rank's samples.
+// [Note: the bf16 reference rounds where the engine's ranks round]
+//
+// In bf16 every rank holds its local gradient g_r (the mean over its own
+// samples) in a bf16 buffer, so it is rounded before the average: the engine
+// reduces avg_r round(g_r) (summed in fp32 in rank order, rounded once),
+// while the mean of the global batch is avg_r g_r. With u = 2^-8 (bf16's unit
+// roundoff) the two differ per element by up to
+//     u * avg_r |g_r|                      (rounding before the average)
+//   + u * |avg_r g_r|                      (each side's own final rounding),
+// that is, relative to the gradient, u * (sum_r |g_r|) / |sum_r g_r| + u.
+// The first term grows with N wherever the ranks' gradients cancel: g_r is
+// signal plus per-rank noise, sum_r |g_r| grows like N while sum_r g_r grows
+// like N |signal| + sqrt(N) noise, so for noise-dominated elements the ratio
+// grows like sqrt(N) (and is unbounded where the mean passes through zero).
+// AdamW divides by sqrt(v) per element, so such an element's update direction
+// can flip, and the weight difference after 20 steps is not bounded by any
+// fixed tolerance fitted at N = 2 and 4 (it failed at some N in 5..8).
+// Instead the reference forms the bf16 gradient the way the engine's
+// numerics define it (Communicator: averages summed in fp32 in rank order;
+// each micro-step's local gradient held in bf16 on its rank):
+//   reduce_each_micro_step: per micro-step round(avg_r round(g_r)), added to
+//     the accumulated gradient in bf16;
+//   reduce_at_boundary: each rank accumulates round(local_r + g_r) in bf16,
+//     then round(avg_r local_r) once at the boundary.
+// What remains between engine and reference is fp32 summation order inside
+// the gradient kernels, which does not grow with N. fp32 is reduced the same
+// way (round_to is the identity there): the mean of the global batch in one
+// sum differs from the average of per-rank means by fp32 summation order,
+// which reached 1.7e-6 at N = 7 against the 1e-6 tolerance.
+inline std::vector<std::vector<float>> zeros_like(const std::vector<std::vector<float>>& a) {
+  std::vector<std::vector<float>> out(a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) out[i].assign(a[i].size(), 0.0f);
+  return out;
+}
+
+// round(avg_r x_r): summed in fp32 in rank order, divided, rounded once.
+inline std::vector<std::vector<float>> rank_average(const std::vector<std::vector<std::vector<float>>>& by_rank,
+                                                    DType dtype) {
+  auto out = zeros_like(by_rank.front());
+  const float ranks = static_cast<float>(by_rank.size());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    for (std::size_t k = 0; k < out[i].size(); ++k) {
+      float acc = by_rank[0][i][k];
+      for (std::size_t r = 1; r < by_rank.size(); ++r) acc += by_rank[r][i][k];
+      out[i][k] = round_to(dtype, acc / ranks);
+    }
+  return out;
+}
+
+// Single process, unsharded: every rank's samples, each rank's gradient
+// formed and rounded as that rank forms it (the note above), one update.
 inline Trained train_reference(const Config& c, int world) {
   auto master = initial_params();
   std::vector<std::vector<float>> m(kParamCount), v(kParamCount);
@@ -214,20 +264,25 @@ inline Trained train_reference(const Config& c, int world) {
   }
   Trained out;
   for (int step = 0; step < kSteps; ++step) {
-    std::vector<std::vector<float>> sum(kParamCount);
-    for (int i = 0; i < kParamCount; ++i) sum[i].assign(master[i].size(), 0.0f);
+    auto sum = zeros_like(master);
+    // Each rank's local gradient buffer (see the note above).
+    std::vector<std::vector<std::vector<float>>> local(static_cast<std::size_t>(world), zeros_like(master));
     for (int micro = 0; micro < c.accumulation; ++micro) {
       std::vector<std::vector<float>> p = master;
       for (auto& t : p)
         for (float& x : t) x = round_to(c.dtype, x);
-      std::vector<Sample> global;
       for (int r = 0; r < world; ++r) {
-        auto part = batch(step, micro, r);
-        global.insert(global.end(), part.begin(), part.end());
+        const auto g = mlp_grads(p, batch(step, micro, r));
+        auto& mine = local[static_cast<std::size_t>(r)];
+        for (int i = 0; i < kParamCount; ++i)
+          for (std::size_t k = 0; k < g[i].size(); ++k) mine[i][k] = round_to(c.dtype, mine[i][k] + g[i][k]);
       }
-      const auto g = mlp_grads(p, global);
+      const bool reduce_now = c.mode == GradAccumulation::reduce_each_micro_step || micro == c.accumulation - 1;
+      if (!reduce_now) continue;
+      const auto reduced = rank_average(local, c.dtype);
       for (int i = 0; i < kParamCount; ++i)
-        for (std::size_t k = 0; k < g[i].size(); ++k) sum[i][k] = round_to(c.dtype, sum[i][k] + round_to(c.dtype, g[i][k]));
+        for (std::size_t k = 0; k < reduced[i].size(); ++k) sum[i][k] = round_to(c.dtype, sum[i][k] + reduced[i][k]);
+      for (auto& mine : local) mine = zeros_like(master);
     }
     double sq = 0;
     for (auto& t : sum)

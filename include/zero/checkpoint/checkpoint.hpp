@@ -134,8 +134,9 @@ std::vector<CheckpointFolder> list_complete_checkpoints(const std::filesystem::p
 
 /// Checks the size and, when listed, the CRC-32C of file `index` of the
 /// manifest. Throws zero::IoError naming the file and the mismatch:
-/// "... is missing", "... has N bytes, the manifest says M (truncated or
-/// replaced)", "... is corrupted: its CRC32C ...".
+/// "... is missing", "... is not a regular file (it is a FIFO ...)" (checked
+/// before any read, which could block), "... has N bytes, the manifest says M
+/// (truncated or replaced)", "... is corrupted: its CRC32C ...".
 void verify_checkpoint_file(const std::filesystem::path& folder, const CheckpointManifest& manifest,
                             std::size_t index);
 /// verify_checkpoint_file for every file, in rank order.
@@ -181,9 +182,12 @@ struct ConsolidateResult {
 /// the layout; [numel] where the shape was not recorded) from a checkpoint
 /// folder, streaming: the shards are memory-mapped and one parameter at a
 /// time is assembled, converted and appended, so memory stays about one
-/// parameter. The output replaces `out` atomically. Checks the folder as
-/// verify_checkpoint_shards does first (not the checksums: see
-/// verify_checkpoint_files). Throws zero::IoError / zero::InvalidArgument.
+/// parameter. The output replaces `out` atomically; nothing is written
+/// unless every check passes. Checks first, in order: that `out` lies outside
+/// `folder` and is none of its files (zero::InvalidArgument naming both), the
+/// size and CRC-32C of every rank file against the manifest
+/// (verify_checkpoint_files, a streamed read of each), then the shards as
+/// verify_checkpoint_shards does. Throws zero::IoError / zero::InvalidArgument.
 ConsolidateResult consolidate_checkpoint(const std::filesystem::path& folder, const std::filesystem::path& out,
                                          const ConsolidateOptions& options = {});
 

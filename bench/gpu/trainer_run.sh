@@ -2,7 +2,8 @@
 # runs examples/sdxl/train with sdxl-1024.toml on one GPU while nvidia-smi
 # samples the GPU's memory in use every 5 ms (NVML: no CUDA context of its
 # own), then prints the log's progress lines, the in-step peak and the exit
-# status. Expects BUILD, OUT_DIR, LOG and STEPS; mpirun --bind-to none lets
+# status. Expects BUILD, OUT_DIR, LOG and STEPS (CONFIG: another config file
+# than sdxl-1024.toml); mpirun --bind-to none lets
 # the CPU optimizer's OpenMP threads use every core.
 run_trainer() {
   local name=$1 limit=$2
@@ -13,7 +14,7 @@ run_trainer() {
   local poller=$! start end
   sleep 0.5
   start=$(date +%s.%N)
-  timeout "$limit" mpirun -np 1 --bind-to none "$BUILD/examples/sdxl/train" --config examples/sdxl/configs/sdxl-1024.toml \
+  timeout "$limit" mpirun -np 1 --bind-to none "$BUILD/examples/sdxl/train" --config "${CONFIG:-examples/sdxl/configs/sdxl-1024.toml}" \
     --steps "$STEPS" --warmup_steps 5 --log_every 5 --checkpoint_every 0 --save_final false --export_unet false \
     --output_dir "/tmp/$name" "$@" > "$OUT_DIR/$name.log" 2>&1
   local code=$?

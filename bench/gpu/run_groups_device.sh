@@ -5,7 +5,7 @@
 # np 2 host-staged; then the SDXL trainer at stage 2, batch 8, 1024x1024, bf16,
 # AdamW, no checkpointing, no EMA, channels-last, 20 steps: without groups and
 # with no_weight_decay = ["*.bias", "*norm*"] and a down_blocks group at half
-# the learning rate (6 groups; within each unit the parameters are laid out by
+# the learning rate (4 groups; within each unit the parameters are laid out by
 # group), interleaved, two rounds: what the per-group optimizer launches cost.
 #   bash bench/gpu/run_groups_device.sh    (carry .deps)
 # Logs, JSON lines and summary.json in $OUT/groups, packed into groups.tgz.

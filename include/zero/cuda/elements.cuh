@@ -1,6 +1,6 @@
 // Conversions between the storage types kernels read and write (fp32, bf16,
 // fp16) and the fp32 they compute in. Round to nearest even, as LibTorch
-// stores: zero's optimizer kernels and the SDXL example's fused kernels give
+// stores: zero's optimizer kernels and a model's own fused kernels (the example's) give
 // bit-identical results because they all convert here.
 #pragma once
 

@@ -71,9 +71,14 @@ Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const Engin
 
 std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std::size_t hi) const {
   std::vector<Segment> out;
-  for (const Bucket& bucket : layout.buckets()) {
+  // Buckets are in offset order: start at the first that ends after lo
+  // (one bucket per call for a slice: linear in the buckets overall).
+  const auto& buckets = layout.buckets();
+  auto first = std::partition_point(buckets.begin(), buckets.end(),
+                                    [lo](const Bucket& b) { return b.offset + b.padded <= lo; });
+  for (auto it = first; it != buckets.end() && it->offset < hi; ++it) {
+    const Bucket& bucket = *it;
     const std::size_t bucket_end = bucket.offset + bucket.padded;
-    if (bucket_end <= lo || bucket.offset >= hi) continue;
     for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
       // Parameter p's run: from its offset to the next parameter's (the
       // padding between them is zero and stays zero under every group).

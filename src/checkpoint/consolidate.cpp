@@ -86,6 +86,14 @@ OpenShards open_shards(const fs::path& folder, const CheckpointManifest& manifes
         ZERO_THROW(IoError, "checkpoint shard '", path.string(), "': tensor '", name, "' should be F32 [", shard,
                    "]");
     }
+    // Frozen parameters: their values once, in a layout of their own.
+    if (!s.frozen_layout.buckets().empty()) {
+      const TensorInfo* info = out.files.back().find("frozen");
+      const std::int64_t frozen_shard = static_cast<std::int64_t>(s.frozen_layout.shard_numel());
+      if (!info || info->dtype != TensorDType::F32 || info->shape != std::vector<std::int64_t>{frozen_shard})
+        ZERO_THROW(IoError, "checkpoint shard '", path.string(), "': tensor 'frozen' should be F32 [", frozen_shard,
+                   "] (the shard records frozen parameters)", info ? "" : " but is missing");
+    }
     if ((out.files.back().find("ema") != nullptr) != (out.files.front().find("ema") != nullptr))
       ZERO_THROW(IoError, "checkpoint shard '", path.string(), "': holds an 'ema' tensor where rank 0's does not, or "
                  "the other way round");
@@ -177,16 +185,19 @@ ConsolidateResult consolidate_checkpoint(const fs::path& folder, const fs::path&
   struct Source {
     std::string tensor;  // in the shards
     std::string suffix;  // appended to the parameter name
+    const FlatLayout* layout;
   };
-  std::vector<Source> sources = {{options.what, ""}};
+  // Frozen parameters are the same under master and EMA, and have no optimizer state.
+  std::vector<Source> sources = {{options.what, "", &layout}};
+  if (!info.frozen_layout.buckets().empty()) sources.push_back({"frozen", "", &info.frozen_layout});
   if (options.optimizer_state) {
     const auto names = state_names(info.optimizer, info.state_slots);
     for (int k = 0; k < info.state_slots; ++k)
-      sources.push_back({"state" + std::to_string(k), "." + names[static_cast<std::size_t>(k)]});
+      sources.push_back({"state" + std::to_string(k), "." + names[static_cast<std::size_t>(k)], &layout});
   }
   std::vector<TensorSpec> specs;
   for (const Source& source : sources)
-    for (const ParamSpec& p : layout.params())
+    for (const ParamSpec& p : source.layout->params())
       specs.push_back({p.name + source.suffix, options.dtype,
                        p.shape.empty() ? std::vector<std::int64_t>{static_cast<std::int64_t>(p.numel)} : p.shape});
   const std::map<std::string, std::string> metadata = {
@@ -205,12 +216,13 @@ ConsolidateResult consolidate_checkpoint(const fs::path& folder, const fs::path&
   for (const Source& source : sources) {
     for (std::size_t r = 0; r < shards.files.size(); ++r)
       base[r] = reinterpret_cast<const float*>(shards.files[r].data(shards.files[r].at(source.tensor)).data());
-    for (std::size_t p = 0; p < layout.params().size(); ++p) {
-      const std::size_t numel = layout.params()[p].numel;
+    const FlatLayout& from = *source.layout;
+    for (std::size_t p = 0; p < from.params().size(); ++p) {
+      const std::size_t numel = from.params()[p].numel;
       for (std::size_t first = 0; first < numel; first += kPiece) {
         const std::size_t count = std::min(kPiece, numel - first);
         values.resize(count);
-        for_each_shard_run(layout, p, first, count,
+        for_each_shard_run(from, p, first, count,
                            [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
                              std::memcpy(values.data() + (element - first),
                                          base[static_cast<std::size_t>(owner)] + index, run * sizeof(float));

@@ -24,10 +24,12 @@ std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
 }
 }  // namespace
 
-Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const EngineOptions& o)
+Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const FlatLayout& frozen,
+                   const EngineOptions& o)
     : comm(c),
       backend(b),
       layout(l),
+      frozen_layout(frozen),
       options(o),
       plan(StagePlan::of(o, c.size())),
       rank(c.rank()),
@@ -53,6 +55,16 @@ Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const Engin
   if (plan.ema) ema = allocate_state(kEma);
   if (plan.full_grads) grads_full = pool.allocate(kGrads, full * g_size);
   if (plan.grad_shard_on_device()) grad_shard = pool.allocate(kGrads, shard * g_size);
+  // Frozen parameters: their model-dtype values where the trainable ones
+  // live (full, or a shard gathered per unit), and nothing else.
+  const std::size_t frozen_full_numel = frozen_layout.padded_numel(), frozen_shard_numel = frozen_layout.shard_numel();
+  if (has_frozen()) {
+    if (plan.params_full) frozen_full = pool.allocate(kParams, frozen_full_numel * p_size);
+    else if (plan.params_on_host) frozen_shard = pool.allocate_host(kParams, frozen_shard_numel * p_size);
+    else frozen_shard = pool.allocate(kParams, frozen_shard_numel * p_size);
+  }
+  frozen_unit_buffer.assign(frozen_layout.buckets().size(), nullptr);
+  frozen_unit_work.resize(frozen_layout.buckets().size());
   updater = detail::make_updater(*this);
 
   const std::size_t buckets = layout.buckets().size();
@@ -102,6 +114,12 @@ Engine::Impl::~Impl() {
   pending.clear();  // Work destructors wait
   param_gathers.clear();
   unit_work.clear();
+  frozen_unit_work.clear();
+  for (std::size_t u = 0; u < frozen_unit_buffer.size(); ++u)
+    pool.free(frozen_unit_buffer[u], frozen_layout.buckets()[u].padded * p_size);
+  pool.free(frozen_full, frozen_layout.padded_numel() * p_size);
+  if (plan.params_on_host) pool.free_host(frozen_shard, frozen_layout.shard_numel() * p_size);
+  else pool.free(frozen_shard, frozen_layout.shard_numel() * p_size);
   for (std::size_t b = 0; b < bucket_buffer.size(); ++b) pool.free(bucket_buffer[b], layout.buckets()[b].padded * g_size);
   for (std::size_t u = 0; u < unit_buffer.size(); ++u) pool.free(unit_buffer[u], layout.buckets()[u].padded * p_size);
   for (Download& d : downloads) {
@@ -129,7 +147,12 @@ void Engine::Impl::order_after(Stream waiter, Stream producer) {
 }
 
 WorkPtr Engine::Impl::gather_bucket(std::size_t b, void* dest, DType dtype, const void* own, bool own_on_host) {
-  const Bucket& bucket = layout.buckets()[b];
+  return gather_bucket_of(layout, b, dest, dtype, own, own_on_host);
+}
+
+WorkPtr Engine::Impl::gather_bucket_of(const FlatLayout& of, std::size_t b, void* dest, DType dtype, const void* own,
+                                       bool own_on_host) {
+  const Bucket& bucket = of.buckets()[b];
   const std::size_t element = size_of(dtype);
   std::byte* place = static_cast<std::byte*>(dest) + static_cast<std::size_t>(rank) * bucket.shard_size * element;
   if (own_on_host) {  // host memory: up into this rank's place, then gathered in place
@@ -142,11 +165,17 @@ WorkPtr Engine::Impl::gather_bucket(std::size_t b, void* dest, DType dtype, cons
 std::vector<WorkPtr> Engine::Impl::gather_buckets(void* full, DType dtype,
                                                   const std::function<const void*(std::size_t)>& own,
                                                   bool own_on_host) {
+  return gather_buckets_of(layout, full, dtype, own, own_on_host);
+}
+
+std::vector<WorkPtr> Engine::Impl::gather_buckets_of(const FlatLayout& of, void* full, DType dtype,
+                                                     const std::function<const void*(std::size_t)>& own,
+                                                     bool own_on_host) {
   std::vector<WorkPtr> works;
   const std::size_t element = size_of(dtype);
-  for (std::size_t b = 0; b < layout.buckets().size(); ++b)
-    works.push_back(gather_bucket(b, static_cast<std::byte*>(full) + layout.buckets()[b].offset * element, dtype,
-                                  own(b), own_on_host));
+  for (std::size_t b = 0; b < of.buckets().size(); ++b)
+    works.push_back(gather_bucket_of(of, b, static_cast<std::byte*>(full) + of.buckets()[b].offset * element, dtype,
+                                     own(b), own_on_host));
   return works;
 }
 
@@ -178,24 +207,82 @@ void Engine::Impl::state_from_host(void* state, const void* host_src, std::size_
 
 // ---------------------------------------------------------------- construction
 
+namespace {
+LayoutOptions layout_options(const EngineOptions& options, const Communicator& comm) {
+  return {.world_size = comm.size(),
+          .alignment = options.buckets.alignment_elements,
+          .bucket_elements = std::max<std::size_t>(1, options.buckets.bytes / size_of(options.param_dtype))};
+}
+
+// Consecutive parameters packed into buckets of about options.buckets.bytes
+// (frozen ones counted in: a bucket is a unit of both kinds).
+std::vector<std::vector<ParamSpec>> auto_units(std::vector<ParamSpec> params, const LayoutOptions& options) {
+  std::vector<std::vector<ParamSpec>> units;
+  std::size_t next = 0;
+  for (std::size_t count : FlatLayout::bucket_sizes(params, options)) {
+    units.emplace_back(std::make_move_iterator(params.begin() + static_cast<std::ptrdiff_t>(next)),
+                       std::make_move_iterator(params.begin() + static_cast<std::ptrdiff_t>(next + count)));
+    next += count;
+  }
+  return units;
+}
+}  // namespace
+
+struct Engine::Units {
+  std::vector<ParamSpec> params;  // in the order given
+  std::vector<std::size_t> index_in_layout, unit_of;
+  std::vector<std::vector<std::size_t>> unit_params;
+  FlatLayout trainable, frozen;
+
+  // Each unit's trainable parameters go to one layout, its frozen ones to
+  // another (one bucket per unit in each). Without frozen parameters the
+  // trainable layout is exactly today's and the frozen one has no bucket.
+  Units(std::vector<std::vector<ParamSpec>> units, const LayoutOptions& options) {
+    std::vector<std::vector<ParamSpec>> trainable_units(units.size()), frozen_units(units.size());
+    bool any_frozen = false;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      ZERO_CHECK(!units[u].empty(), "parameter group ", u, " is empty");
+      unit_params.emplace_back();
+      for (ParamSpec& p : units[u]) {
+        auto& into = p.frozen ? frozen_units[u] : trainable_units[u];
+        any_frozen = any_frozen || p.frozen;
+        unit_params.back().push_back(params.size());
+        unit_of.push_back(u);
+        index_in_layout.push_back(p.frozen ? frozen_count() + frozen_units[u].size()
+                                           : trainable_count() + trainable_units[u].size());
+        into.push_back(p);
+        params.push_back(std::move(p));
+      }
+      trainable_total += trainable_units[u].size();
+      frozen_total += frozen_units[u].size();
+    }
+    trainable = FlatLayout::build_grouped(trainable_units, options, any_frozen);
+    if (any_frozen) frozen = FlatLayout::build_grouped(frozen_units, options, true);
+  }
+
+ private:
+  std::size_t trainable_total = 0, frozen_total = 0;
+  std::size_t trainable_count() const { return trainable_total; }
+  std::size_t frozen_count() const { return frozen_total; }
+};
+
 Engine::Engine(std::vector<ParamSpec> params, const EngineOptions& options, Communicator& comm,
                Backend& backend)
-    : Engine(FlatLayout::build(params, {.world_size = comm.size(),
-                                        .alignment = options.buckets.alignment_elements,
-                                        .bucket_elements = std::max<std::size_t>(
-                                            1, options.buckets.bytes / size_of(options.param_dtype))}),
+    : Engine(Units(auto_units(std::move(params), layout_options(options, comm)), layout_options(options, comm)),
              options, comm, backend) {}
 
 Engine::Engine(std::vector<std::vector<ParamSpec>> groups, const EngineOptions& options,
                Communicator& comm, Backend& backend)
-    : Engine(FlatLayout::build_grouped(groups, {.world_size = comm.size(),
-                                                .alignment = options.buckets.alignment_elements,
-                                                .bucket_elements = 1}),
-             options, comm, backend) {}
+    : Engine(Units(std::move(groups), layout_options(options, comm)), options, comm, backend) {}
 
-Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend)
+Engine::Engine(Units units, const EngineOptions& options, Communicator& comm, Backend& backend)
     : options_(options),
-      layout_(std::move(layout)),
+      params_(std::move(units.params)),
+      index_in_layout_(std::move(units.index_in_layout)),
+      unit_of_(std::move(units.unit_of)),
+      unit_params_(std::move(units.unit_params)),
+      layout_(std::move(units.trainable)),
+      frozen_layout_(std::move(units.frozen)),
       rank_(comm.rank()),
       world_(comm.size()),
       lr_(options.optimizer.lr),
@@ -207,54 +294,68 @@ Engine::Engine(FlatLayout layout, const EngineOptions& options, Communicator& co
              backend.memory_kind() == MemoryKind::host ? "host" : "device", " memory");
   // Every rank must build the same layout; a mismatch would silently pair
   // different parameters in the collectives.
-  std::array<double, 3> mine = {static_cast<double>(layout_.padded_numel()),
-                                static_cast<double>(layout_.params().size()),
-                                static_cast<double>(options_.stage)};
-  std::array<double, 3> low = mine, high = mine;
-  comm.all_reduce_host_f64(low.data(), 3, ReduceOp::min);
-  comm.all_reduce_host_f64(high.data(), 3, ReduceOp::max);
-  ZERO_CHECK(low == high, "ranks disagree on the model: this rank has ", layout_.params().size(),
-             " parameters (", layout_.padded_numel(), " padded elements, stage ", options_.stage,
-             "), others between ", low[1], " and ", high[1], " parameters (", low[0], " to ",
-             high[0], " elements, stage ", low[2], " to ", high[2], ")");
+  std::array<double, 4> mine = {static_cast<double>(layout_.padded_numel()),
+                                static_cast<double>(params_.size()),
+                                static_cast<double>(options_.stage),
+                                static_cast<double>(frozen_layout_.padded_numel())};
+  std::array<double, 4> low = mine, high = mine;
+  comm.all_reduce_host_f64(low.data(), 4, ReduceOp::min);
+  comm.all_reduce_host_f64(high.data(), 4, ReduceOp::max);
+  ZERO_CHECK(low == high, "ranks disagree on the model: this rank has ", params_.size(),
+             " parameters (", layout_.padded_numel(), " padded trainable and ", frozen_layout_.padded_numel(),
+             " frozen elements, stage ", options_.stage, "), others between ", low[1], " and ", high[1],
+             " parameters (", low[0], " to ", high[0], " trainable and ", low[3], " to ", high[3],
+             " frozen elements, stage ", low[2], " to ", high[2], ")");
   for (const ParamSpec& p : layout_.params())
     ZERO_CHECK(p.group >= 0 && static_cast<std::size_t>(p.group) < options_.group_count(), "parameter '", p.name,
                "' is in group ", p.group, " but EngineOptions.param_groups has ", options_.group_count(),
                options_.param_groups.empty() ? " (none given: every parameter is in group 0)" : "");
-  impl_ = std::make_unique<Impl>(comm, backend, layout_, options_);
+  impl_ = std::make_unique<Impl>(comm, backend, layout_, frozen_layout_, options_);
 }
 
-// Impl refers to layout_ and options_: it must go before they do.
+// Impl refers to the layouts and options_: it must go before they do.
 Engine::~Engine() { impl_.reset(); }
 
 const StagePlan& Engine::plan() const { return impl_->plan; }
 
 // ---------------------------------------------------------------- parameters
 
+namespace {
+// The part of a parameter inside rank's slice of its bucket, in full-buffer
+// coordinates: [lo, hi), empty when lo >= hi.
+struct OwnPart {
+  std::size_t own = 0, lo = 0, hi = 0;
+};
+OwnPart own_part(const FlatLayout& layout, const ParamSlot& slot, int rank) {
+  const Bucket& bucket = layout.buckets()[slot.bucket];
+  const std::size_t own = bucket.offset + static_cast<std::size_t>(rank) * bucket.shard_size;
+  return {own, std::max(slot.offset, own), std::min(slot.offset + slot.numel, own + bucket.shard_size)};
+}
+}  // namespace
+
 void Engine::set_param(std::size_t param, const float* host_values) {
-  ZERO_CHECK(param < layout_.params().size(), "set_param: parameter index ", param, " of ",
-             layout_.params().size());
+  ZERO_CHECK(param < params_.size(), "set_param: parameter index ", param, " of ", params_.size());
   Impl& m = *impl_;
   m.settle();
-  const ParamSlot& slot = layout_.slots()[param];
-  ZERO_CHECK(host_values != nullptr || slot.numel == 0, "set_param('", layout_.params()[param].name,
-             "'): null values");
+  const bool is_frozen = params_[param].frozen;
+  const FlatLayout& where = is_frozen ? frozen_layout_ : layout_;
+  const ParamSlot& slot = where.slots()[index_in_layout_[param]];
+  ZERO_CHECK(host_values != nullptr || slot.numel == 0, "set_param('", params_[param].name, "'): null values");
   std::vector<std::byte> rounded(slot.numel * m.p_size);
   for (std::size_t i = 0; i < slot.numel; ++i) store_from_float(rounded.data(), i, m.pdt, host_values[i]);
-  const Bucket& bucket = layout_.buckets()[slot.bucket];
-  const std::size_t own = m.own_offset(slot.bucket);
-  // The part of the parameter inside this rank's slice, in full coordinates.
-  const std::size_t lo = std::max(slot.offset, own);
-  const std::size_t hi = std::min(slot.offset + slot.numel, own + bucket.shard_size);
+  const Bucket& bucket = where.buckets()[slot.bucket];
+  const auto [own, lo, hi] = own_part(where, slot, rank_);
+  std::byte* full = is_frozen ? m.frozen_full : m.params_full;
+  std::byte* shard = is_frozen ? m.frozen_shard : m.param_shard;
   if (m.plan.params_full) {
-    m.backend.copy_from_host(m.params_full + slot.offset * m.p_size, rounded.data(), rounded.size());
+    m.backend.copy_from_host(full + slot.offset * m.p_size, rounded.data(), rounded.size());
   } else if (lo < hi) {
-    std::byte* out = m.param_shard + (bucket.shard_offset + lo - own) * m.p_size;
+    std::byte* out = shard + (bucket.shard_offset + lo - own) * m.p_size;
     const std::byte* in = rounded.data() + (lo - slot.offset) * m.p_size;
     if (m.plan.params_on_host) m.backend.host_copy(out, in, (hi - lo) * m.p_size);
     else m.backend.copy_from_host(out, in, (hi - lo) * m.p_size);
   }
-  if (!m.master) return;
+  if (!m.master || is_frozen) return;
   if (m.plan.optimizer_full) {
     m.backend.copy_from_host(m.master + slot.offset, host_values, slot.numel * 4);
   } else if (lo < hi) {
@@ -263,17 +364,20 @@ void Engine::set_param(std::size_t param, const float* host_values) {
 }
 
 const void* Engine::param_data(std::size_t param) const {
-  ZERO_CHECK(param < layout_.params().size(), "param_data: parameter index ", param, " of ",
-             layout_.params().size());
+  ZERO_CHECK(param < params_.size(), "param_data: parameter index ", param, " of ", params_.size());
   Impl& m = *impl_;
-  const ParamSlot& slot = layout_.slots()[param];
+  const bool is_frozen = params_[param].frozen;
+  const FlatLayout& where = is_frozen ? frozen_layout_ : layout_;
+  const ParamSlot& slot = where.slots()[index_in_layout_[param]];
   if (m.plan.params_full) {
+    if (is_frozen) return m.frozen_full + slot.offset * m.p_size;  // never re-gathered
     m.finish_param_gather(slot.bucket);
     return m.params_full + slot.offset * m.p_size;
   }
-  ZERO_CHECK(m.unit_refs[slot.bucket] > 0, "param_data('", layout_.params()[param].name,
-             "'): its unit ", slot.bucket, " is not gathered (stage 3: call gather_unit first)");
-  return m.unit_buffer[slot.bucket] + (slot.offset - layout_.buckets()[slot.bucket].offset) * m.p_size;
+  ZERO_CHECK(m.unit_refs[slot.bucket] > 0, "param_data('", params_[param].name, "'): its unit ", slot.bucket,
+             " is not gathered (stage 3: call gather_unit first)");
+  const std::byte* unit = is_frozen ? m.frozen_unit_buffer[slot.bucket] : m.unit_buffer[slot.bucket];
+  return unit + (slot.offset - where.buckets()[slot.bucket].offset) * m.p_size;
 }
 
 void Engine::prefetch_unit(std::size_t unit) {
@@ -286,6 +390,14 @@ void Engine::prefetch_unit(std::size_t unit) {
   m.order_after(m.backend.comm_stream(), m.backend.compute_stream());
   m.unit_work[unit] = m.gather_bucket(unit, m.unit_buffer[unit], m.pdt, m.param_shard + bucket.shard_offset * m.p_size,
                                       m.plan.params_on_host);
+  // The unit's frozen parameters, where it has any (they are never written:
+  // no ordering after the optimizer needed).
+  if (!m.has_frozen() || frozen_layout_.buckets()[unit].param_count == 0) return;
+  const Bucket& frozen = frozen_layout_.buckets()[unit];
+  m.frozen_unit_buffer[unit] = m.pool.acquire(kParams, frozen.padded * m.p_size, m.backend.comm_stream());
+  m.frozen_unit_work[unit] =
+      m.gather_bucket_of(frozen_layout_, unit, m.frozen_unit_buffer[unit], m.pdt,
+                         m.frozen_shard + frozen.shard_offset * m.p_size, m.plan.params_on_host);
 }
 
 void Engine::gather_unit(std::size_t unit) {
@@ -296,11 +408,14 @@ void Engine::gather_unit(std::size_t unit) {
     return;
   }
   prefetch_unit(unit);
-  if (m.unit_work[unit]) {
-    m.unit_work[unit]->wait();
-    m.unit_work[unit].reset();
-    m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
+  bool waited = false;
+  for (WorkPtr* work : {&m.unit_work[unit], m.has_frozen() ? &m.frozen_unit_work[unit] : nullptr}) {
+    if (!work || !*work) continue;
+    (*work)->wait();
+    work->reset();
+    waited = true;
   }
+  if (waited) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
   ++m.unit_refs[unit];
 }
 
@@ -312,6 +427,10 @@ void Engine::release_unit(std::size_t unit) {
   if (--m.unit_refs[unit] > 0) return;
   m.pool.give_back(kParams, m.unit_buffer[unit], layout_.buckets()[unit].padded * m.p_size);
   m.unit_buffer[unit] = nullptr;
+  if (m.has_frozen() && m.frozen_unit_buffer[unit]) {
+    m.pool.give_back(kParams, m.frozen_unit_buffer[unit], frozen_layout_.buckets()[unit].padded * m.p_size);
+    m.frozen_unit_buffer[unit] = nullptr;
+  }
 }
 
 bool Engine::unit_gathered(std::size_t unit) const {
@@ -446,11 +565,17 @@ TransientMemory Engine::transient_memory() const {
 }
 
 MemoryByCategory Engine::predicted_model_state() const {
-  return model_state_bytes(impl_->plan, layout_.padded_numel());
+  return model_state_bytes(impl_->plan, layout_.padded_numel(), frozen_layout_.padded_numel());
 }
 
 MemoryByCategory Engine::predicted_host_state() const {
-  return host_model_state_bytes(impl_->plan, layout_.padded_numel());
+  return host_model_state_bytes(impl_->plan, layout_.padded_numel(), frozen_layout_.padded_numel());
+}
+
+std::size_t Engine::trainable_index(std::size_t param, const char* what) const {
+  ZERO_CHECK(param < params_.size(), what, ": parameter index ", param, " of ", params_.size());
+  ZERO_CHECK(!params_[param].frozen, what, "('", params_[param].name, "'): the parameter is frozen (no gradient)");
+  return index_in_layout_[param];
 }
 
 }  // namespace zero

@@ -27,12 +27,13 @@ using detail::kParams;
 using detail::kState;
 
 struct Engine::Impl {
-  Impl(Communicator& c, Backend& b, const FlatLayout& l, const EngineOptions& o);
+  Impl(Communicator& c, Backend& b, const FlatLayout& l, const FlatLayout& frozen, const EngineOptions& o);
   ~Impl();
 
   Communicator& comm;
   Backend& backend;
-  const FlatLayout& layout;
+  const FlatLayout& layout;         // trainable parameters
+  const FlatLayout& frozen_layout;  // frozen ones (no bucket when none)
   const EngineOptions& options;
   const StagePlan plan;
   const int rank, world;
@@ -50,6 +51,12 @@ struct Engine::Impl {
   bool ema_initialized = false;
   std::byte* grads_full = nullptr;   // plan.full_grads
   std::byte* grad_shard = nullptr;   // plan.grad_shard_on_device()
+  // Frozen parameters: model-dtype values only, never updated, never reduced.
+  std::byte* frozen_full = nullptr;   // plan.params_full: all of them on every rank
+  std::byte* frozen_shard = nullptr;  // stage 3: this rank's slices (pinned host memory with offload.params)
+  std::vector<std::byte*> frozen_unit_buffer;  // stage 3: gathered per unit, beside unit_buffer
+  std::vector<WorkPtr> frozen_unit_work;
+  bool has_frozen() const { return !frozen_layout.buckets().empty(); }
   /// How master, state and EMA are updated (on the device, offloaded, delayed).
   std::unique_ptr<detail::Updater> updater;
 
@@ -121,10 +128,15 @@ struct Engine::Impl {
   /// padded length, dtype elements) on the comm stream: in place from this
   /// rank's place in dest, or, when `own_on_host`, after copying `own` up into it.
   WorkPtr gather_bucket(std::size_t b, void* dest, DType dtype, const void* own, bool own_on_host);
+  /// The same for bucket b of another layout (the frozen one).
+  WorkPtr gather_bucket_of(const FlatLayout& of, std::size_t b, void* dest, DType dtype, const void* own,
+                           bool own_on_host);
   /// gather_bucket for every bucket of a full buffer (`full` + bucket offsets),
   /// this rank's slice of bucket b at own(b).
   std::vector<WorkPtr> gather_buckets(void* full, DType dtype, const std::function<const void*(std::size_t)>& own,
                                       bool own_on_host);
+  std::vector<WorkPtr> gather_buckets_of(const FlatLayout& of, void* full, DType dtype,
+                                         const std::function<const void*(std::size_t)>& own, bool own_on_host);
 
   // ---------------------------------------------------------------- addresses
   /// This rank's slice of bucket b, in full-buffer coordinates.

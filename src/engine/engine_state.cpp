@@ -33,21 +33,36 @@ std::vector<std::vector<float>> split_params(const FlatLayout& layout, const std
 
 std::vector<std::vector<float>> Engine::gather_master_params() {
   Impl& m = *impl_;
-  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.master_slice(b); });
+  return in_engine_order(gather_fp32_slices([&m](std::size_t b) -> const float* { return m.master_slice(b); }));
 }
 
 std::vector<std::vector<float>> Engine::gather_ema_params() {
   Impl& m = *impl_;
   ZERO_CHECK(m.ema != nullptr, "gather_ema_params: EMA is off (EngineOptions.ema_decay is 0)");
   if (!m.ema_initialized) return gather_master_params();  // no step yet: the average is the weights
-  return gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); });
+  return in_engine_order(
+      gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); }));
 }
 
 std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
   Impl& m = *impl_;
   float* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;
   ZERO_CHECK(base != nullptr, "gather_optimizer_state: the optimizer has no state tensor ", slot);
-  return gather_fp32_slices([&m, base](std::size_t b) -> const float* { return m.optimizer_slice(base, b); });
+  std::vector<std::vector<float>> trainable =
+      gather_fp32_slices([&m, base](std::size_t b) -> const float* { return m.optimizer_slice(base, b); });
+  std::vector<std::vector<float>> out(params_.size());
+  for (std::size_t p = 0; p < params_.size(); ++p)
+    if (!params_[p].frozen) out[p] = std::move(trainable[index_in_layout_[p]]);
+  return out;
+}
+
+std::vector<std::vector<float>> Engine::in_engine_order(std::vector<std::vector<float>> trainable) {
+  if (frozen_layout_.buckets().empty()) return trainable;  // the layout's order is the engine's
+  std::vector<std::vector<float>> frozen = gather_frozen_params();
+  std::vector<std::vector<float>> out(params_.size());
+  for (std::size_t p = 0; p < params_.size(); ++p)
+    out[p] = std::move(params_[p].frozen ? frozen[index_in_layout_[p]] : trainable[index_in_layout_[p]]);
+  return out;
 }
 
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
@@ -70,20 +85,22 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
   return split_params(layout_, host);
 }
 
-std::vector<std::vector<float>> Engine::gather_model_params() {
-  Impl& m = *impl_;
-  m.settle();
+namespace {
+// Model-dtype values of every parameter of `layout` widened to float, from a
+// full buffer (stages 0-2) or gathered from the shards (collective).
+std::vector<std::vector<float>> gather_model_values(Engine::Impl& m, const FlatLayout& layout, const std::byte* full_buffer,
+                                                    const std::byte* shard) {
   Backend& be = m.backend;
-  const std::size_t full = layout_.padded_numel();
+  const std::size_t full = layout.padded_numel();
   std::vector<std::byte> raw(full * m.p_size);
   be.synchronize(be.compute_stream());
-  if (m.plan.params_full) {
-    be.copy_to_host(raw.data(), m.params_full, raw.size());
+  if (full_buffer) {
+    be.copy_to_host(raw.data(), full_buffer, raw.size());
   } else {
     std::byte* gathered = static_cast<std::byte*>(be.allocate(raw.size()));
     try {
-      auto own = [&m](std::size_t b) -> const void* { return m.own_params(b); };
-      for (auto& w : m.gather_buckets(gathered, m.pdt, own, m.plan.params_on_host)) w->wait();
+      auto own = [&](std::size_t b) -> const void* { return shard + layout.buckets()[b].shard_offset * m.p_size; };
+      for (auto& w : m.gather_buckets_of(layout, gathered, m.pdt, own, m.plan.params_on_host)) w->wait();
       be.synchronize(be.comm_stream());
       be.copy_to_host(raw.data(), gathered, raw.size());
     } catch (...) {
@@ -94,7 +111,20 @@ std::vector<std::vector<float>> Engine::gather_model_params() {
   }
   std::vector<float> host(full);
   for (std::size_t i = 0; i < full; ++i) host[i] = load_as_float(raw.data(), i, m.pdt);
-  return split_params(layout_, host);
+  return split_params(layout, host);
+}
+}  // namespace
+
+std::vector<std::vector<float>> Engine::gather_model_params() {
+  Impl& m = *impl_;
+  m.settle();
+  return in_engine_order(gather_model_values(m, layout_, m.params_full, m.param_shard));
+}
+
+std::vector<std::vector<float>> Engine::gather_frozen_params() {
+  Impl& m = *impl_;
+  m.settle();
+  return gather_model_values(m, frozen_layout_, m.frozen_full, m.frozen_shard);
 }
 
 
@@ -123,6 +153,96 @@ nlohmann::json layout_json(const FlatLayout& layout) {
           {"padded_numel", layout.padded_numel()}, {"params", params}, {"bucket_param_counts", groups}};
 }
 
+nlohmann::json frozen_json_of(const FlatLayout& frozen) {
+  return frozen.buckets().empty() ? nlohmann::json() : layout_json(frozen);
+}
+
+// The placement `now`'s parameters had at another world size and alignment
+// (same units; empty ones kept).
+FlatLayout rebuilt_at(const FlatLayout& now, int world_size, std::size_t alignment) {
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const Bucket& b : now.buckets()) {
+    groups.emplace_back(now.params().begin() + static_cast<std::ptrdiff_t>(next),
+                        now.params().begin() + static_cast<std::ptrdiff_t>(next + b.param_count));
+    next += b.param_count;
+  }
+  return FlatLayout::build_grouped(groups, {.world_size = world_size, .alignment = alignment}, true);
+}
+
+// Rank's shard of `now`, filled from the old ranks' shards (`sources`, in
+// rank order) of the same parameters placed as `old`.
+std::vector<float> reshard(const FlatLayout& now, const FlatLayout& old, int rank,
+                           const std::vector<const float*>& sources) {
+  std::vector<float> out(now.shard_numel(), 0.0f);
+  for (std::size_t b = 0; b < now.buckets().size(); ++b) {
+    const Bucket& nb = now.buckets()[b];
+    const std::size_t lo = nb.offset + static_cast<std::size_t>(rank) * nb.shard_size, hi = lo + nb.shard_size;
+    for (std::size_t p = nb.first_param; p < nb.first_param + nb.param_count; ++p) {
+      const ParamSlot& ns = now.slots()[p];
+      const std::size_t a = std::max(lo, ns.offset), c = std::min(hi, ns.offset + ns.numel);
+      if (a >= c) continue;
+      // Elements [a, c) of the new full buffer, i.e. [a - ns.offset, c - ns.offset) of parameter p,
+      // from whichever old shards hold them.
+      float* dest = out.data() + nb.shard_offset + (a - lo);
+      for_each_shard_run(old, p, a - ns.offset, c - a,
+                         [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
+                           std::copy_n(sources[static_cast<std::size_t>(owner)] + index, run,
+                                       dest + (element - (a - ns.offset)));
+                         });
+    }
+  }
+  return out;
+}
+
+// Frozen parameters are saved once: each rank its slices of the frozen
+// layout (whatever the stage), widened to fp32 (exact for every model dtype).
+std::vector<float> own_frozen_values(Engine::Impl& m) {
+  const FlatLayout& l = m.frozen_layout;
+  Backend& be = m.backend;
+  std::vector<std::byte> raw(l.shard_numel() * m.p_size);
+  for (std::size_t b = 0; b < l.buckets().size(); ++b) {
+    const Bucket& bucket = l.buckets()[b];
+    std::byte* dst = raw.data() + bucket.shard_offset * m.p_size;
+    const std::size_t bytes = bucket.shard_size * m.p_size;
+    if (m.frozen_full)
+      be.copy_to_host(dst, m.frozen_full + (bucket.offset + static_cast<std::size_t>(m.rank) * bucket.shard_size) * m.p_size, bytes);
+    else if (m.plan.params_on_host)
+      be.host_copy(dst, m.frozen_shard + bucket.shard_offset * m.p_size, bytes);
+    else
+      be.copy_to_host(dst, m.frozen_shard + bucket.shard_offset * m.p_size, bytes);
+  }
+  std::vector<float> out(l.shard_numel());
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = load_as_float(raw.data(), i, m.pdt);
+  return out;
+}
+
+// The inverse: this rank's slices back into its shard, or into the full
+// buffer and then gathered from every rank (stages 0-2). Collective.
+void restore_frozen(Engine::Impl& m, const std::vector<float>& values) {
+  const FlatLayout& l = m.frozen_layout;
+  Backend& be = m.backend;
+  std::vector<std::byte> raw(values.size() * m.p_size);
+  for (std::size_t i = 0; i < values.size(); ++i) store_from_float(raw.data(), i, m.pdt, values[i]);
+  auto own_in_full = [&](std::size_t b) {
+    const Bucket& bucket = l.buckets()[b];
+    return m.frozen_full + (bucket.offset + static_cast<std::size_t>(m.rank) * bucket.shard_size) * m.p_size;
+  };
+  for (std::size_t b = 0; b < l.buckets().size(); ++b) {
+    const Bucket& bucket = l.buckets()[b];
+    const std::byte* src = raw.data() + bucket.shard_offset * m.p_size;
+    const std::size_t bytes = bucket.shard_size * m.p_size;
+    if (m.frozen_full) be.copy_from_host(own_in_full(b), src, bytes);
+    else if (m.plan.params_on_host) be.host_copy(m.frozen_shard + bucket.shard_offset * m.p_size, src, bytes);
+    else be.copy_from_host(m.frozen_shard + bucket.shard_offset * m.p_size, src, bytes);
+  }
+  if (!m.frozen_full) return;
+  be.synchronize(be.compute_stream());
+  auto own = [&](std::size_t b) -> const void* { return own_in_full(b); };
+  for (auto& w : m.gather_buckets_of(l, m.frozen_full, m.pdt, own, false)) w->wait();
+  be.synchronize(be.comm_stream());
+}
+
 }  // namespace
 
 void Engine::save_state(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata) {
@@ -145,6 +265,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
   if (m.state1) tensors.emplace_back("state1", collect([&](std::size_t b) { return m.optimizer_slice(m.state1, b); }));
   if (m.ema && m.ema_initialized)
     tensors.emplace_back("ema", collect([&](std::size_t b) { return m.optimizer_slice(m.ema, b); }));
+  if (m.has_frozen()) tensors.emplace_back("frozen", own_frozen_values(m));
   std::vector<io::TensorView> views;
   for (auto& [name, data] : tensors)
     views.push_back({name, io::TensorDType::F32, {static_cast<std::int64_t>(data.size())}, data.data()});
@@ -164,6 +285,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
                           {"loss_scale_hysteresis_left", scaler_.hysteresis_left()},
                           {"loss_scale_skipped", scaler_.skipped_steps()},
                           {"layout", layout_json(layout_)}};
+  if (m.has_frozen()) state["frozen_layout"] = layout_json(frozen_layout_);
   if (!options_.param_groups.empty()) {
     // The groups' hyperparameters, for the record (the assignment is in the
     // layout; a resumed run may change the values, not the assignment).
@@ -200,7 +322,24 @@ nlohmann::json shard_metadata(const io::SafeTensorsFile& file, const std::string
 
 // The parameters and their bucketing must match; the world size and the
 // alignment may differ (resharding).
-void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const std::string& path) {
+void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, const std::string& path,
+                       const char* key);
+
+// Both layouts: the trainable one and, where either side has one, the frozen one.
+void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const nlohmann::json& here_frozen,
+                      const std::string& path) {
+  check_same_layout(state, here, path, "layout");
+  const bool theirs = state.contains("frozen_layout"), ours = !here_frozen.is_null();
+  if (theirs != ours)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ",
+               theirs ? "the checkpoint has frozen parameters, this run none"
+                      : "this run has frozen parameters, the checkpoint none",
+               " (a resumed run must freeze the same parameters as the run that saved)");
+  if (ours) check_same_layout(state, here_frozen, path, "frozen_layout");
+}
+
+void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, const std::string& path,
+                       const char* key) {
   auto expect = [&](const char* key, const nlohmann::json& want) {
     if (!state.contains(key) || state[key] != want)
       ZERO_THROW(IoError, "checkpoint shard '", path, "': ", key, " is ",
@@ -208,9 +347,9 @@ void check_same_model(const nlohmann::json& state, const nlohmann::json& here, c
   };
   expect("format", kShardFormat);
   expect("version", kShardVersion);
-  if (!state.contains("layout") || !state["layout"].is_object())
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': no layout in its metadata");
-  const nlohmann::json& layout = state["layout"];
+  if (!state.contains(key) || !state[key].is_object())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no ", key, " in its metadata");
+  const nlohmann::json& layout = state[key];
   const auto& theirs = layout.value("params", nlohmann::json::array());
   const auto& ours = here["params"];
   std::string detail;
@@ -233,7 +372,9 @@ void check_same_model(const nlohmann::json& state, const nlohmann::json& here, c
   }
   if (detail.empty() && layout.value("bucket_param_counts", nlohmann::json()) != here["bucket_param_counts"])
     detail = "the parameters are grouped into other buckets/units";
-  if (!detail.empty()) ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail);
+  if (!detail.empty())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail,
+               std::string_view(key) == "layout" ? "" : " (among the frozen parameters)");
 }
 
 const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& path, const char* name, std::size_t count) {
@@ -249,7 +390,7 @@ const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& pa
 void Engine::load_state(const std::string& path) {
   const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
   const nlohmann::json state = shard_metadata(file, path);
-  check_same_model(state, layout_json(layout_), path);
+  check_same_model(state, layout_json(layout_), frozen_json_of(frozen_layout_), path);
   if (state["layout"].value("world_size", -1) != world_)
     ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ", state["layout"].value("world_size", -1),
                " ranks; this run has ", world_, ": resume with load_state_resharded and every rank's file");
@@ -258,75 +399,68 @@ void Engine::load_state(const std::string& path) {
   const std::size_t shard = layout_.shard_numel();
   std::array<const float*, 4> tensors = {shard_tensor(file, path, "master", shard), shard_tensor(file, path, "state0", shard),
                                          shard_tensor(file, path, "state1", shard), shard_tensor(file, path, "ema", shard)};
-  restore_state(tensors, state.dump(), path);
+  std::vector<float> frozen;
+  if (impl_->has_frozen()) {
+    const float* values = shard_tensor(file, path, "frozen", frozen_layout_.shard_numel());
+    if (!values) ZERO_THROW(IoError, "checkpoint shard '", path, "': tensor 'frozen' is missing");
+    frozen.assign(values, values + frozen_layout_.shard_numel());
+  }
+  restore_state(tensors, frozen, state.dump(), path);
 }
 
 void Engine::load_state_resharded(const std::vector<std::string>& paths) {
   ZERO_CHECK(!paths.empty(), "load_state_resharded: no checkpoint files");
   std::vector<io::SafeTensorsFile> files;
   for (const std::string& path : paths) files.push_back(io::SafeTensorsFile::open(path));
-  const nlohmann::json here = layout_json(layout_);
+  const nlohmann::json here = layout_json(layout_), here_frozen = frozen_json_of(frozen_layout_);
   const nlohmann::json first = shard_metadata(files[0], paths[0]);
   const int old_world = first["layout"].value("world_size", -1);
   ZERO_CHECK(old_world == static_cast<int>(paths.size()), "load_state_resharded: the checkpoint was written by ",
              old_world, " ranks but ", paths.size(), " files were given (", paths[0], ")");
   for (std::size_t r = 0; r < files.size(); ++r) {
     const nlohmann::json state = r == 0 ? first : shard_metadata(files[r], paths[r]);
-    check_same_model(state, here, paths[r]);
+    check_same_model(state, here, here_frozen, paths[r]);
     if (state.value("rank", -1) != static_cast<int>(r))
       ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': rank is ", state.value("rank", -1), ", expected ", r,
                  " (files must be given in rank order)");
-    if (state["layout"] != first["layout"] || state.value("step", -1) != first.value("step", -1))
+    if (state["layout"] != first["layout"] || state.value("frozen_layout", nlohmann::json()) != first.value("frozen_layout", nlohmann::json()) ||
+        state.value("step", -1) != first.value("step", -1))
       ZERO_THROW(IoError, "checkpoint shard '", paths[r], "' does not belong with '", paths[0],
                  "' (another layout or step)");
   }
   // The old placement of the same parameters.
-  std::vector<std::vector<ParamSpec>> groups;
-  std::size_t next = 0;
-  for (const Bucket& b : layout_.buckets()) {
-    groups.emplace_back(layout_.params().begin() + static_cast<std::ptrdiff_t>(next),
-                        layout_.params().begin() + static_cast<std::ptrdiff_t>(next + b.param_count));
-    next += b.param_count;
-  }
-  const FlatLayout old = FlatLayout::build_grouped(
-      groups, {.world_size = old_world, .alignment = first["layout"].value("alignment", std::size_t{1})});
+  const std::size_t old_alignment = first["layout"].value("alignment", std::size_t{1});
+  const FlatLayout old = rebuilt_at(layout_, old_world, old_alignment);
   ZERO_CHECK(old.padded_numel() == first["layout"].value("padded_numel", std::size_t{0}), "checkpoint shard '",
              paths[0], "': its layout could not be rebuilt (padded size differs)");
 
   // This rank's new slices, filled from whichever old ranks held those elements.
-  const std::size_t shard = layout_.shard_numel(), old_shard = old.shard_numel();
   const char* names[4] = {"master", "state0", "state1", "ema"};
   std::array<std::vector<float>, 4> hosts;
   std::array<const float*, 4> pointers{};
   for (int k = 0; k < 4; ++k) {
     std::vector<const float*> sources;
-    for (std::size_t r = 0; r < files.size(); ++r) sources.push_back(shard_tensor(files[r], paths[r], names[k], old_shard));
+    for (std::size_t r = 0; r < files.size(); ++r)
+      sources.push_back(shard_tensor(files[r], paths[r], names[k], old.shard_numel()));
     if (std::find(sources.begin(), sources.end(), nullptr) != sources.end()) continue;  // absent in this checkpoint
-    hosts[k].assign(shard, 0.0f);
-    for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
-      const Bucket& nb = layout_.buckets()[b];
-      const std::size_t lo = nb.offset + static_cast<std::size_t>(rank_) * nb.shard_size, hi = lo + nb.shard_size;
-      for (std::size_t p = nb.first_param; p < nb.first_param + nb.param_count; ++p) {
-        const ParamSlot& ns = layout_.slots()[p];
-        const std::size_t a = std::max(lo, ns.offset), c = std::min(hi, ns.offset + ns.numel);
-        if (a >= c) continue;
-        // Elements [a, c) of the new full buffer, i.e. [a - ns.offset, c - ns.offset) of parameter p,
-        // from whichever old shards hold them.
-        float* dest = hosts[k].data() + nb.shard_offset + (a - lo);
-        for_each_shard_run(old, p, a - ns.offset, c - a,
-                           [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
-                             std::copy_n(sources[static_cast<std::size_t>(owner)] + index, run,
-                                         dest + (element - (a - ns.offset)));
-                           });
-      }
-    }
+    hosts[k] = reshard(layout_, old, rank_, sources);
     pointers[k] = hosts[k].data();
   }
-  restore_state(pointers, first.dump(), paths[0]);
+  std::vector<float> frozen;
+  if (!frozen_layout_.buckets().empty()) {
+    const FlatLayout old_frozen = rebuilt_at(frozen_layout_, old_world, old_alignment);
+    std::vector<const float*> sources;
+    for (std::size_t r = 0; r < files.size(); ++r) {
+      sources.push_back(shard_tensor(files[r], paths[r], "frozen", old_frozen.shard_numel()));
+      if (!sources.back()) ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': tensor 'frozen' is missing");
+    }
+    frozen = reshard(frozen_layout_, old_frozen, rank_, sources);
+  }
+  restore_state(pointers, frozen, first.dump(), paths[0]);
 }
 
-void Engine::restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json,
-                           const std::string& path) {
+void Engine::restore_state(const std::array<const float*, 4>& tensors, const std::vector<float>& frozen_shard,
+                           const std::string& state_json, const std::string& path) {
   Impl& m = *impl_;
   m.settle();
   m.backend.synchronize(m.backend.comm_stream());  // uploads out of the host copies are done
@@ -366,6 +500,7 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
   // then gather every rank's slices (stage 0 with fp32 parameters restored
   // them whole above).
   m.updater->parameters_from_master();
+  if (m.has_frozen()) restore_frozen(m, frozen_shard);
   if (m.plan.params_full && !(fp32 && m.plan.optimizer_full)) {
     be.synchronize(be.compute_stream());
     auto own = [&m](std::size_t b) -> const void* { return m.own_params(b); };
@@ -381,6 +516,63 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
 
 
 // ---------------------------------------------------------------- saved shards (for tools)
+
+namespace {
+// A layout recorded by save_state, rebuilt and checked against its padded size.
+FlatLayout saved_layout(const io::detail::JsonReader& layout, const std::string& path, int world_size,
+                        bool allow_empty_buckets) {
+  using io::detail::JsonReader;
+  auto integer = [](const JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
+    const nlohmann::json* v = in.find(key);
+    if (!v || !v->is_number_integer()) in.fail(key, "an integer");
+    if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
+    in.fail(key, "an integer in range");
+  };
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
+  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
+  const nlohmann::json& params_json = layout.array("params");
+  const nlohmann::json& counts_json = layout.array("bucket_param_counts");
+  std::vector<ParamSpec> params;
+  for (const nlohmann::json& p : params_json) {
+    const JsonReader param = layout.nested(p, "params[]");
+    ParamSpec spec{param.string("name"), static_cast<std::size_t>(integer(param, "numel", 0, std::int64_t{1} << 50)),
+                   {}};
+    if (const nlohmann::json* shape = param.find("shape")) {
+      if (!shape->is_array()) param.fail("shape", "an array of integers >= 0");
+      for (const nlohmann::json& d : *shape) {
+        if (!d.is_number_integer() || d.get<std::int64_t>() < 0) param.fail("shape", "an array of integers >= 0");
+        spec.shape.push_back(d.get<std::int64_t>());
+      }
+    }
+    if (param.find("group")) spec.group = static_cast<int>(integer(param, "group", 0, 1 << 20));
+    params.push_back(std::move(spec));
+  }
+  const std::size_t least = allow_empty_buckets ? 0 : 1;
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const nlohmann::json& c : counts_json) {
+    if (!c.is_number_unsigned() || c.get<std::size_t>() < least || c.get<std::size_t>() > params.size() - next)
+      layout.fail("bucket_param_counts", allow_empty_buckets ? "counts >= 0 that add up to the number of parameters"
+                                                             : "counts >= 1 that add up to the number of parameters");
+    const std::size_t n = c.get<std::size_t>();
+    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
+                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
+    next += n;
+  }
+  if (next != params.size()) layout.fail("bucket_param_counts", "counts that add up to the number of parameters");
+  FlatLayout out;
+  try {
+    out = FlatLayout::build_grouped(groups, {.world_size = world_size, .alignment = alignment}, allow_empty_buckets);
+  } catch (const InvalidArgument& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
+  }
+  if (out.padded_numel() != padded)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.padded_numel(),
+               " padded elements, the file says ", padded);
+  return out;
+}
+}  // namespace
 
 SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   using io::detail::JsonReader;
@@ -411,45 +603,18 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   const JsonReader layout = root.object("layout");
   out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20));
   if (out.rank >= out.world_size) root.fail("rank", "below layout.world_size");
-  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
-  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
-  const nlohmann::json& params_json = layout.array("params");
-  const nlohmann::json& counts_json = layout.array("bucket_param_counts");
-  std::vector<ParamSpec> params;
-  for (const nlohmann::json& p : params_json) {
-    const JsonReader param = layout.nested(p, "params[]");
-    ParamSpec spec{param.string("name"), static_cast<std::size_t>(integer(param, "numel", 0, std::int64_t{1} << 50)),
-                   {}};
-    if (const nlohmann::json* shape = param.find("shape")) {
-      if (!shape->is_array()) param.fail("shape", "an array of integers >= 0");
-      for (const nlohmann::json& d : *shape) {
-        if (!d.is_number_integer() || d.get<std::int64_t>() < 0) param.fail("shape", "an array of integers >= 0");
-        spec.shape.push_back(d.get<std::int64_t>());
-      }
-    }
-    if (param.find("group")) spec.group = static_cast<int>(integer(param, "group", 0, 1 << 20));
-    params.push_back(std::move(spec));
+  // Units all of one kind leave an empty bucket in the other kind's layout.
+  const bool has_frozen = root.find("frozen_layout") != nullptr;
+  out.layout = saved_layout(layout, path, out.world_size, has_frozen);
+  if (has_frozen) {
+    const JsonReader frozen = root.object("frozen_layout");
+    if (integer(frozen, "world_size", 1, 1 << 20) != out.world_size) frozen.fail("world_size", "layout.world_size");
+    out.frozen_layout = saved_layout(frozen, path, out.world_size, true);
+    if (out.frozen_layout.buckets().size() != out.layout.buckets().size())
+      frozen.fail("bucket_param_counts", "one count per unit, as many as layout.bucket_param_counts");
   }
-  std::vector<std::vector<ParamSpec>> groups;
-  std::size_t next = 0;
-  for (const nlohmann::json& c : counts_json) {
-    if (!c.is_number_unsigned() || c.get<std::size_t>() == 0 || c.get<std::size_t>() > params.size() - next)
-      layout.fail("bucket_param_counts", "counts >= 1 that add up to the number of parameters");
-    const std::size_t n = c.get<std::size_t>();
-    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
-                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
-    next += n;
-  }
-  if (next != params.size()) layout.fail("bucket_param_counts", "counts that add up to the number of parameters");
-  try {
-    out.layout = FlatLayout::build_grouped(groups, {.world_size = out.world_size, .alignment = alignment});
-  } catch (const InvalidArgument& e) {
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
-  }
-  if (out.layout.padded_numel() != padded)
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.layout.padded_numel(),
-               " padded elements, the file says ", padded);
   out.layout_text = layout_json(out.layout).dump();  // rebuilt, not echoed: bounded depth
+  if (has_frozen) out.layout_text += layout_json(out.frozen_layout).dump();
   return out;
 }
 

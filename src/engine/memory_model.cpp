@@ -8,15 +8,16 @@
 
 namespace zero {
 
-MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_numel) {
+MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_numel, std::size_t frozen_padded_numel) {
   const auto world = static_cast<std::size_t>(plan.world_size);
-  ZERO_CHECK(padded_numel % world == 0, "numel ", padded_numel, " is not a multiple of world_size ", world,
-             " (pass the padded length)");
+  ZERO_CHECK(padded_numel % world == 0 && frozen_padded_numel % world == 0, "numel ", padded_numel, " (frozen ",
+             frozen_padded_numel, ") is not a multiple of world_size ", world, " (pass the padded length)");
   const std::size_t full = padded_numel, shard = padded_numel / world;
   const std::size_t p = plan.param_bytes(), g = plan.grad_bytes();
   const std::size_t optimizer = plan.optimizer_elements(padded_numel) * 4;
+  const std::size_t all_params = full + frozen_padded_numel;
   MemoryByCategory m;
-  m.params = plan.params_on_host ? 0 : (plan.params_full ? full : shard) * p;
+  m.params = plan.params_on_host ? 0 : (plan.params_full ? all_params : all_params / world) * p;
   m.grads = (plan.full_grads ? full * g : 0) + (plan.grad_shard_on_device() ? shard * g : 0);
   if (!plan.optimizer_on_host) {
     m.master = plan.has_master ? optimizer : 0;
@@ -30,14 +31,16 @@ MemoryByCategory model_state_bytes(const EngineOptions& options, std::size_t pad
   return model_state_bytes(StagePlan::of(options, world_size), padded_numel);
 }
 
-MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padded_numel) {
+MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padded_numel,
+                                        std::size_t frozen_padded_numel) {
   MemoryByCategory h;
   if (!plan.optimizer_on_host) return h;
   const std::size_t shard = padded_numel / static_cast<std::size_t>(plan.world_size);
+  const std::size_t frozen_shard = frozen_padded_numel / static_cast<std::size_t>(plan.world_size);
   h.master = shard * 4;
   h.optimizer_state = static_cast<std::size_t>(plan.state_slots) * shard * 4;
   h.ema = plan.ema ? shard * 4 : 0;
-  h.params = plan.params_on_host ? shard * plan.param_bytes() : 0;
+  h.params = plan.params_on_host ? (shard + frozen_shard) * plan.param_bytes() : 0;
   // The gradient shard copied down, and (unless the CPU writes offloaded
   // parameters in place) the updated model-dtype shard copied back up; the
   // delayed update reads and writes one pair while backward streams into the other.

@@ -102,9 +102,12 @@ void Engine::Impl::reset_gradients() {
 
 // ---------------------------------------------------------------- Engine: gradients
 
-void* Engine::grad_data(std::size_t param) {
-  ZERO_CHECK(param < layout_.params().size(), "grad_data: parameter index ", param, " of ",
-             layout_.params().size());
+void* Engine::grad_data(std::size_t param) { return trainable_grad_data(trainable_index(param, "grad_data")); }
+
+void Engine::grad_ready(std::size_t param) { trainable_grad_ready(trainable_index(param, "grad_ready")); }
+
+// Below, `param` indexes layout_ (the trainable parameters).
+void* Engine::trainable_grad_data(std::size_t param) {
   Impl& m = *impl_;
   const ParamSlot& slot = layout_.slots()[param];
   ZERO_CHECK(!m.param_ready[param], "grad_data('", layout_.params()[param].name,
@@ -118,16 +121,14 @@ void* Engine::grad_data(std::size_t param) {
   return m.bucket_buffer[slot.bucket] + (slot.offset - bucket.offset) * m.g_size;
 }
 
-void Engine::grad_ready(std::size_t param) {
-  ZERO_CHECK(param < layout_.params().size(), "grad_ready: parameter index ", param, " of ",
-             layout_.params().size());
+void Engine::trainable_grad_ready(std::size_t param) {
   Impl& m = *impl_;
   ZERO_CHECK(!m.param_ready[param], "grad_ready('", layout_.params()[param].name,
              "') called twice in one micro-step");
   ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_ready: all ", options_.accumulation_steps,
              " micro-steps of this step are done; call step() first");
   const std::size_t b = layout_.slots()[param].bucket;
-  if (!m.plan.full_grads && !m.bucket_buffer[b]) grad_data(param);  // an unused parameter: zero gradient
+  if (!m.plan.full_grads && !m.bucket_buffer[b]) trainable_grad_data(param);  // an unused parameter: zero gradient
   m.param_ready[param] = 1;
   if (++m.bucket_ready_count[b] < layout_.buckets()[b].param_count) return;
   const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
@@ -140,7 +141,17 @@ void Engine::finish_micro_step() {
   ZERO_CHECK(micro_step_ < options_.accumulation_steps, "finish_micro_step: all ",
              options_.accumulation_steps, " micro-steps of this step are done; call step() first");
   for (std::size_t p = 0; p < m.param_ready.size(); ++p)
-    if (!m.param_ready[p]) grad_ready(p);
+    if (!m.param_ready[p]) trainable_grad_ready(p);
+  // A unit whose parameters are all frozen has an empty trainable bucket (all
+  // padding): reduced like the others, so that every path finds every bucket's
+  // (zero) gradient where it looks.
+  const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
+  for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
+    if (layout_.buckets()[b].param_count != 0 || (m.plan.reduce_only_at_boundary && !last_micro_step)) continue;
+    if (!m.plan.full_grads)
+      m.bucket_buffer[b] = m.pool.acquire(kBuffers, layout_.buckets()[b].padded * m.g_size, m.backend.compute_stream());
+    m.issue_reduce(b);
+  }
   m.complete_all();
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.

@@ -75,6 +75,24 @@ struct GatherBeforeBackward : torch::autograd::Function<GatherBeforeBackward> {
   }
 };
 
+// Identity on the inputs of a unit with nothing to train: its backward runs
+// once the unit's backward has produced their gradients, and releases the
+// unit (a unit with trainable parameters is released when their gradients
+// are in).
+struct ReleaseAfterBackward : torch::autograd::Function<ReleaseAfterBackward> {
+  static variable_list forward(AutogradContext* ctx, ShardedModel* model, std::int64_t unit, at::TensorList inputs) {
+    ctx->saved_data["model"] = reinterpret_cast<std::int64_t>(model);
+    ctx->saved_data["unit"] = unit;
+    return inputs.vec();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    model_from(ctx)->release_after_backward(static_cast<std::size_t>(ctx->saved_data["unit"].toInt()));
+    variable_list out = {torch::Tensor(), torch::Tensor()};
+    out.insert(out.end(), grads.begin(), grads.end());
+    return out;
+  }
+};
+
 // Activation checkpointing of one unit: forward without saving anything,
 // backward gathers, re-runs the forward with grad and backpropagates through it.
 struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
@@ -156,8 +174,12 @@ ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& opt
       ZERO_CHECK(tensor.defined(), "ShardedModel: parameter '", name, "' is undefined");
       for (const torch::Tensor& seen : params_)
         ZERO_CHECK(!seen.is_same(tensor), "ShardedModel: parameter '", name, "' appears in more than one unit");
+      const bool frozen = !tensor.requires_grad();
       group.push_back({name, static_cast<std::size_t>(tensor.numel()), tensor.sizes().vec(),
-                       group_ids[group.size()]});
+                       group_ids[group.size()], frozen});
+      auto& first_of_kind = frozen ? u.first_frozen : u.first_trainable;
+      if (!first_of_kind) first_of_kind = params_.size();
+      if (!frozen) ++u.trainable;
       params_.push_back(tensor);
     }
     groups.push_back(std::move(group));
@@ -185,30 +207,38 @@ ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& opt
 
   const auto tensor_options = torch::TensorOptions().device(device_).dtype(param_type_);
   const bool stage3 = engine_->plan().gathers_units;
+  const std::size_t p_size = size_of(engine_->options().param_dtype);
+  // The storage has the unit's full size from the start and only its data
+  // pointer changes; views into it never need a resize.
+  auto unit_storage = [&](std::size_t bytes) {
+    return c10::Storage(c10::Storage::use_byte_size_t(), bytes, at::DataPtr(nullptr, device_), /*allocator=*/nullptr,
+                        /*resizable=*/false);
+  };
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];
-    const Bucket& bucket = engine_->layout().buckets()[u];
     if (stage3) {
-      // The storage has the unit's full size from the start and only its data
-      // pointer changes; views into it never need a resize.
-      unit.storage = c10::Storage(c10::Storage::use_byte_size_t(), bucket.padded * size_of(engine_->options().param_dtype),
-                                  at::DataPtr(nullptr, device_), /*allocator=*/nullptr, /*resizable=*/false);
+      unit.storage = unit_storage(engine_->layout().buckets()[u].padded * p_size);
+      if (unit.first_frozen) unit.frozen_storage = unit_storage(engine_->frozen_layout().buckets()[u].padded * p_size);
     }
     for (std::size_t i = unit.first_param; i < unit.first_param + unit.param_count; ++i) {
       torch::Tensor& p = params_[i];
-      const ParamSlot& slot = engine_->layout().slots()[i];
+      const bool frozen = engine_->frozen(i);
       torch::Tensor view;
       if (stage3) {
+        const FlatLayout& where = frozen ? engine_->frozen_layout() : engine_->layout();
+        const ParamSlot& slot = where.slots()[engine_->layout_index(i)];
         view = torch::empty({0}, tensor_options);
-        view.set_(unit.storage, static_cast<std::int64_t>(slot.offset - bucket.offset), p.sizes(), {});
+        view.set_(frozen ? unit.frozen_storage : unit.storage,
+                  static_cast<std::int64_t>(slot.offset - where.buckets()[u].offset), p.sizes(), {});
       } else {
         view = torch::from_blob(const_cast<void*>(engine_->param_data(i)), p.sizes(), tensor_options);
       }
       torch::NoGradGuard no_grad;
       p.set_data(view);
+      if (frozen) continue;  // no gradient, no hook
       auto accumulator = torch::autograd::impl::grad_accumulator(p);
-      ZERO_CHECK(accumulator != nullptr, "ShardedModel: parameter '", engine_->layout().params()[i].name,
-                 "' does not require grad (freeze it by leaving it out of the units)");
+      ZERO_CHECK(accumulator != nullptr, "ShardedModel: parameter '", engine_->params()[i].name,
+                 "' has no gradient accumulator (a non-leaf tensor?)");
       accumulator->add_post_hook(std::make_unique<GradientReady>(this, i));
       accumulators_.push_back(std::move(accumulator));
     }
@@ -219,11 +249,16 @@ ShardedModel::~ShardedModel() = default;
 
 void ShardedModel::bind_unit(std::size_t u) {
   Unit& unit = units_[u];
-  void* data = nullptr;
-  if (engine_->unit_gathered(u)) data = const_cast<void*>(engine_->param_data(unit.first_param));
-  // param_data of the first parameter is the unit's first byte only if the
-  // parameter sits at the bucket's start, which the layout guarantees.
-  unit.storage.set_data_ptr_noswap(at::DataPtr(data, device_));
+  const bool gathered = engine_->unit_gathered(u);
+  // param_data of the first parameter of a kind is its bucket's first byte:
+  // the layout puts a bucket's first parameter at its start.
+  auto bind = [&](c10::Storage& storage, const std::optional<std::size_t>& first) {
+    if (!first) return;
+    void* data = gathered ? const_cast<void*>(engine_->param_data(*first)) : nullptr;
+    storage.set_data_ptr_noswap(at::DataPtr(data, device_));
+  };
+  bind(unit.storage, unit.first_trainable);
+  bind(unit.frozen_storage, unit.first_frozen);
 }
 
 void ShardedModel::gather(std::size_t u, Pass pass, bool recomputed) {
@@ -243,7 +278,9 @@ void ShardedModel::gather_for_backward(std::size_t u) {
   if (!engine_->plan().gathers_units || units_[u].backward_gathered) return;
   // Every gradient already in (its parameters were used outside the unit):
   // nothing of the unit's own backward needs them.
-  if (units_[u].ready == units_[u].param_count) return;
+  // (A unit with nothing to train has no gradient to wait for: it still
+  // needs its weights for the gradient of its inputs.)
+  if (units_[u].trainable > 0 && units_[u].ready == units_[u].trainable) return;
   gather(u, Pass::backward, /*recomputed=*/false);
   units_[u].backward_gathered = true;
 }
@@ -258,9 +295,22 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
     return RecomputeUnit::apply(this, static_cast<std::int64_t>(u), &recompute_bodies_.back(), anchor_,
                                 at::TensorList(inputs));
   }
+  // A unit with nothing to train whose inputs need no gradient needs no
+  // backward at all: no graph, no saved activations.
+  const bool inputs_need_grad = std::any_of(inputs.begin(), inputs.end(),
+                                            [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); });
+  if (units_[u].trainable == 0 && !inputs_need_grad) {
+    torch::NoGradGuard no_grad;
+    gather(u, Pass::forward, /*recomputed=*/false);
+    variable_list outputs = body(inputs);
+    release(u);
+    return outputs;
+  }
   gather(u, Pass::forward, /*recomputed=*/false);
   if (!engine_->plan().gathers_units) return body(inputs);
-  variable_list outputs = body(inputs);
+  variable_list outputs = units_[u].trainable == 0 && torch::GradMode::is_enabled()
+                              ? body(ReleaseAfterBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(inputs)))
+                              : body(inputs);
   if (torch::GradMode::is_enabled())
     outputs = GatherBeforeBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(outputs));
   release(u);
@@ -279,6 +329,7 @@ void ShardedModel::bind_gradients_to_engine() {
   if (gradients_bound_) return;
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (engine_->frozen(i)) continue;
     torch::Tensor& p = params_[i];
     p.mutable_grad() = torch::from_blob(engine_->grad_data(i), p.sizes(),
                                         torch::TensorOptions().device(device_).dtype(grad_type_));
@@ -306,10 +357,16 @@ void ShardedModel::on_gradient(std::size_t i) {
   engine_->grad_ready(i);
   const std::size_t u = engine_->unit_of(i);
   Unit& unit = units_[u];
-  if (++unit.ready == unit.param_count && unit.backward_gathered) {
+  if (++unit.ready == unit.trainable && unit.backward_gathered) {
     unit.backward_gathered = false;
     release(u);
   }
+}
+
+void ShardedModel::release_after_backward(std::size_t u) {
+  if (!units_[u].backward_gathered) return;
+  units_[u].backward_gathered = false;
+  release(u);
 }
 
 void ShardedModel::finish_micro_step() {

@@ -67,6 +67,9 @@ struct ParamSpec {
   /// The parameter group (EngineOptions::param_groups) whose optimizer
   /// hyperparameters update it; 0 with no groups.
   int group = 0;
+  /// Frozen: never trained. The engine keeps its model-dtype values only (no
+  /// gradient, master, optimizer state or EMA) in a layout of its own.
+  bool frozen = false;
 };
 
 struct LayoutOptions {
@@ -105,9 +108,14 @@ class FlatLayout {
  public:
   /// Groups consecutive parameters into buckets of about bucket_elements.
   static FlatLayout build(const std::vector<ParamSpec>& params, const LayoutOptions& options);
-  /// One bucket per group, as given (stage-3 units); empty groups are errors.
+  /// One bucket per group, as given (stage-3 units). Empty groups are errors
+  /// unless allowed; an empty group's bucket is all padding (one aligned
+  /// slice per rank), used where a unit has no parameter of one kind (a unit
+  /// all frozen has an empty trainable bucket).
   static FlatLayout build_grouped(const std::vector<std::vector<ParamSpec>>& groups,
-                                  const LayoutOptions& options);
+                                  const LayoutOptions& options, bool allow_empty_groups = false);
+  /// How build() packs consecutive parameters: the number in each bucket.
+  static std::vector<std::size_t> bucket_sizes(const std::vector<ParamSpec>& params, const LayoutOptions& options);
 
   int world_size() const { return world_size_; }
   std::size_t alignment() const { return alignment_; }
@@ -173,6 +181,11 @@ inline void LayoutOptions::validate() const {
 
 inline FlatLayout FlatLayout::build(const std::vector<ParamSpec>& params,
                                     const LayoutOptions& options) {
+  return assemble(params, bucket_sizes(params, options), options);
+}
+
+inline std::vector<std::size_t> FlatLayout::bucket_sizes(const std::vector<ParamSpec>& params,
+                                                         const LayoutOptions& options) {
   options.validate();
   std::vector<std::size_t> group_sizes;
   std::size_t in_group = 0, group_elements = 0;
@@ -187,16 +200,16 @@ inline FlatLayout FlatLayout::build(const std::vector<ParamSpec>& params,
     group_elements += aligned;
   }
   if (in_group > 0) group_sizes.push_back(in_group);
-  return assemble(params, std::move(group_sizes), options);
+  return group_sizes;
 }
 
 inline FlatLayout FlatLayout::build_grouped(const std::vector<std::vector<ParamSpec>>& groups,
-                                            const LayoutOptions& options) {
+                                            const LayoutOptions& options, bool allow_empty_groups) {
   options.validate();
   std::vector<ParamSpec> params;
   std::vector<std::size_t> group_sizes;
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    ZERO_CHECK(!groups[g].empty(), "parameter group ", g, " is empty");
+    ZERO_CHECK(allow_empty_groups || !groups[g].empty(), "parameter group ", g, " is empty");
     params.insert(params.end(), groups[g].begin(), groups[g].end());
     group_sizes.push_back(groups[g].size());
   }

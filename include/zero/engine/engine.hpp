@@ -85,20 +85,36 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   /// What the stage and options mean for the buffers (computed once).
   const StagePlan& plan() const;
+  /// The trainable parameters' layout (every parameter's when none is
+  /// frozen): gradients, master weights, optimizer state and EMA follow it.
+  /// Its parameter indices are not the engine's once some are frozen.
   const FlatLayout& layout() const { return layout_; }
+  /// The frozen parameters' layout: one bucket per unit (empty ones all
+  /// padding), no bucket at all when nothing is frozen. Model-dtype values only.
+  const FlatLayout& frozen_layout() const { return frozen_layout_; }
   int rank() const { return rank_; }
   int world_size() const { return world_; }
-  std::size_t param_count() const { return layout_.params().size(); }
-  std::size_t unit_count() const { return layout_.buckets().size(); }
-  std::size_t unit_of(std::size_t param) const { return layout_.slots().at(param).bucket; }
+  /// Every parameter, frozen or not, in the order given (the engine's indices).
+  const std::vector<ParamSpec>& params() const { return params_; }
+  std::size_t param_count() const { return params_.size(); }
+  std::size_t unit_count() const { return unit_params_.size(); }
+  std::size_t unit_of(std::size_t param) const { return unit_of_.at(param); }
+  /// The engine indices of unit u's parameters, in the order given.
+  const std::vector<std::size_t>& unit_params(std::size_t unit) const { return unit_params_.at(unit); }
+  bool frozen(std::size_t param) const { return params_.at(param).frozen; }
+  /// Where param lies: its index in frozen_layout() if frozen, else in layout().
+  std::size_t layout_index(std::size_t param) const { return index_in_layout_.at(param); }
+  std::size_t frozen_count() const { return frozen_layout_.params().size(); }
 
   // ------------------------------------------------------------ parameters
   /// Sets parameter `param` from fp32 host values (numel of them). Every rank
   /// must pass the same values; each keeps what its stage needs. The master
   /// copy keeps the fp32 values, the model copy their rounding.
   void set_param(std::size_t param, const float* host_values);
+  /// Frozen parameters keep the rounded values only, and are never changed
+  /// by the engine again.
   /// Model-dtype values of a parameter, in backend memory. Stages 0-2:
-  /// always valid. Stage 3: only while its unit is gathered.
+  /// always valid. Stage 3: only while its unit is gathered (frozen ones too).
   const void* param_data(std::size_t param) const;
   /// Stage 3: gathers unit u's parameters (waits for a prefetch if one was
   /// issued). Other stages: no-op. Gathers nest: each needs a release.
@@ -120,7 +136,8 @@ class Engine {
 
   // ------------------------------------------------------------ gradients
   /// Where this micro-step's gradient of `param` is to be added (grad dtype,
-  /// numel elements, zeroed at the start of the micro-step).
+  /// numel elements, zeroed at the start of the micro-step). A frozen
+  /// parameter has none: grad_data and grad_ready refuse it.
   void* grad_data(std::size_t param);
   /// Declares param's gradient complete for this micro-step; the bucket is
   /// reduce-scattered as soon as all its parameters are ready.
@@ -141,7 +158,8 @@ class Engine {
 
   // ------------------------------------------------------------ inspection (collective)
   /// All parameters as fp32 master values, in parameter order, each numel long
-  /// (collective: every rank must call it). For tests and checkpoints.
+  /// (collective: every rank must call it). For tests and checkpoints. Frozen
+  /// parameters (here and in the EMA) are their model-dtype values widened.
   std::vector<std::vector<float>> gather_master_params();
   /// All parameters as model-dtype values widened to float (collective).
   std::vector<std::vector<float>> gather_model_params();
@@ -165,7 +183,8 @@ class Engine {
   /// slices from whichever old shards hold them. The model must be the same
   /// (names, sizes, units); padding and alignment may differ. Collective.
   void load_state_resharded(const std::vector<std::string>& rank_files);
-  /// The optimizer state tensor `slot` (0 or 1) of every parameter (collective; tests).
+  /// The optimizer state tensor `slot` (0 or 1) of every parameter (collective;
+  /// tests); empty for frozen parameters.
   std::vector<std::vector<float>> gather_optimizer_state(int slot);
 
   // ------------------------------------------------------------ memory
@@ -188,14 +207,29 @@ class Engine {
   struct Impl;
 
  private:
+  struct Units;  // the units split into trainable and frozen parameters (engine.cpp)
   std::unique_ptr<Impl> impl_;
-  void restore_state(const std::array<const float*, 4>& tensors, const std::string& state_json, const std::string& path);
+  void restore_state(const std::array<const float*, 4>& tensors, const std::vector<float>& frozen_shard,
+                     const std::string& state_json, const std::string& path);
   std::vector<std::vector<float>> gather_fp32_slices(const std::function<const float*(std::size_t)>& slice);
+  /// Trainable parameters (layout order) widened, frozen ones from their own
+  /// buffers, back in the engine's order (collective).
+  std::vector<std::vector<float>> in_engine_order(std::vector<std::vector<float>> trainable);
+  std::vector<std::vector<float>> gather_frozen_params();
   GradStats local_grad_stats(StepResult& result);
-  Engine(FlatLayout layout, const EngineOptions& options, Communicator& comm, Backend& backend);
+  /// The index of a trainable parameter in layout(); throws for a frozen one.
+  std::size_t trainable_index(std::size_t param, const char* what) const;
+  void* trainable_grad_data(std::size_t t);
+  void trainable_grad_ready(std::size_t t);
+  Engine(Units units, const EngineOptions& options, Communicator& comm, Backend& backend);
 
   EngineOptions options_;
+  std::vector<ParamSpec> params_;
+  std::vector<std::size_t> index_in_layout_;  // engine index -> index in layout_ or frozen_layout_
+  std::vector<std::size_t> unit_of_;
+  std::vector<std::vector<std::size_t>> unit_params_;
   FlatLayout layout_;
+  FlatLayout frozen_layout_;
   int rank_ = 0;
   int world_ = 1;
   int micro_step_ = 0;

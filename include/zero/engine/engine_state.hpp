@@ -28,6 +28,9 @@ struct SavedShard {
   /// The saved placement rebuilt: parameters in order (with their shapes
   /// where the writer recorded them), buckets, world size and alignment.
   FlatLayout layout;
+  /// The frozen parameters' placement (tensor "frozen": their model-dtype
+  /// values widened to fp32); no bucket when nothing was frozen.
+  FlatLayout frozen_layout;
   /// The layout as recorded (canonical JSON text): equal text, same placement.
   std::string layout_text;
 };

@@ -36,16 +36,21 @@ struct MemoryByCategory {
 /// micro-step per step the gradients stream to the host as they are reduced,
 /// so stages 2-3 hold no gradient shard; offloaded parameters leave only the
 /// gathered units (transient) on the device.
-MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_numel);
+/// Frozen parameters (frozen_padded_numel, Φ, their own padded layout) count
+/// as parameters only: Φ·p, or Φ·p/N at stage 3 (0 on the device when
+/// parameters are offloaded) — no gradient, master, state or EMA.
+MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_numel,
+                                   std::size_t frozen_padded_numel = 0);
 MemoryByCategory model_state_bytes(const EngineOptions& options, std::size_t padded_numel, int world_size);
 
 /// Host (pinned) bytes per rank; all zero without offload. With it:
 ///   master: Ψ·4/N (kept even for fp32 parameters), state: K·Ψ·4/N,
 ///   ema: Ψ·4/N when enabled, buffers: Ψ·(g + p)/N (the gradient shard
 ///   copied down and the updated model-dtype shard copied back up);
-///   with offloaded parameters: params Ψ·p/N and buffers Ψ·g/N (the CPU
+///   with offloaded parameters: params (Ψ + Φ)·p/N and buffers Ψ·g/N (the CPU
 ///   writes the updated shard in place); the delayed update doubles the buffers.
-MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padded_numel);
+MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padded_numel,
+                                        std::size_t frozen_padded_numel = 0);
 MemoryByCategory host_model_state_bytes(const EngineOptions& options, std::size_t padded_numel, int world_size);
 
 /// "params 1.00 GiB, grads ..." for logs.

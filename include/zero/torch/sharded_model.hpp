@@ -19,6 +19,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,9 +49,11 @@ using UnitBody = std::function<torch::autograd::variable_list(const torch::autog
 
 class ShardedModel {
  public:
-  /// Takes over the parameters in `units` (every parameter that should train
-  /// must be in exactly one unit). Their current values become the initial
-  /// weights; every rank must hold the same values (checked).
+  /// Takes over the parameters in `units` (every parameter must be in exactly
+  /// one unit). Their current values become the initial weights; every rank
+  /// must hold the same values (checked). A parameter that does not require
+  /// grad is frozen: the engine keeps its values only (sharded and gathered
+  /// with its unit at stage 3) and never changes them.
   ///
   /// `group_of` gives each parameter's group (EngineOptions::param_groups)
   /// by name; none: group 0. Inside a unit the parameters are laid out
@@ -101,6 +104,7 @@ class ShardedModel {
   // Called from autograd hooks and functions (public for them, not for users).
   void on_gradient(std::size_t param);
   void gather_for_backward(std::size_t unit);
+  void release_after_backward(std::size_t unit);
   void gather(std::size_t unit, Pass pass, bool recomputed);
   void release(std::size_t unit);
 
@@ -108,7 +112,11 @@ class ShardedModel {
   struct Unit {
     std::string name;
     std::size_t first_param = 0, param_count = 0;
-    c10::Storage storage;          // stage 3: the gathered unit's bytes, or none
+    std::size_t trainable = 0;     // parameters that get gradients
+    // Stage 3: the gathered unit's bytes (trainable, frozen), or none. The
+    // first parameter of each kind, where the unit has one, sits at the start.
+    c10::Storage storage, frozen_storage;
+    std::optional<std::size_t> first_trainable, first_frozen;
     std::size_t ready = 0;         // parameters whose gradient arrived this micro-step
     bool backward_gathered = false;
   };

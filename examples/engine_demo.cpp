@@ -79,7 +79,7 @@ double micro_step(Engine& engine, Communicator& comm, DType dtype) {
     engine.gather_unit(u);
     const Bucket& bucket = engine.layout().buckets()[u];
     for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
-      const std::size_t n = engine.layout().params()[p].numel;
+      const std::size_t n = engine.params()[p].numel;
       const void* w = engine.param_data(p);
       void* g = engine.grad_data(p);
       for (std::size_t k = 0; k < n; ++k) {
@@ -141,7 +141,7 @@ void run_stage(const DemoOptions& o, int stage, MpiCommunicator& comm, Backend& 
   Engine engine(synthetic_units(parse_count(o.params_text)), options, comm, backend);
   std::vector<float> values;
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    values.assign(engine.layout().params()[p].numel, 0.0f);
+    values.assign(engine.params()[p].numel, 0.0f);
     engine.set_param(p, values.data());
   }
   const auto start = std::chrono::steady_clock::now();

@@ -147,7 +147,7 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
       std::move(units), options, runtime.communicator(), runtime.backend(),
       [&group_by_name](const std::string& name) { return group_by_name.at(name); });
   // The engine lays each unit out by group: the export names follow its order.
-  for (const zero::ParamSpec& p : m.sharded->engine().layout().params()) m.parameter_names.push_back(p.name);
+  for (const zero::ParamSpec& p : m.sharded->engine().params()) m.parameter_names.push_back(p.name);
   if (cap > 0) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
   m.unet->set_activation_checkpointing(cfg.activation_checkpointing);
   m.unet->set_channels_last(cfg.channels_last);

@@ -328,13 +328,13 @@ void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, 
 // Both layouts: the trainable one and, where either side has one, the frozen one.
 void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const nlohmann::json& here_frozen,
                       const std::string& path) {
-  check_same_layout(state, here, path, "layout");
   const bool theirs = state.contains("frozen_layout"), ours = !here_frozen.is_null();
   if (theirs != ours)
     ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ",
                theirs ? "the checkpoint has frozen parameters, this run none"
                       : "this run has frozen parameters, the checkpoint none",
                " (a resumed run must freeze the same parameters as the run that saved)");
+  check_same_layout(state, here, path, "layout");
   if (ours) check_same_layout(state, here_frozen, path, "frozen_layout");
 }
 

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
     std::mt19937 rng(5);
     std::normal_distribution<float> normal;
     for (std::size_t p = 0; p < engine.param_count(); ++p) {
-      std::vector<float> v(engine.layout().params()[p].numel);
+      std::vector<float> v(engine.params()[p].numel);
       for (float& x : v) x = normal(rng);
       engine.set_param(p, v.data());
     }
@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < options.optimizer.state_slots(); ++k) states.push_back(engine.gather_optimizer_state(k));
     if (comm.rank() == 0) {
       std::vector<io::TensorView> views;
-      const auto& params = engine.layout().params();
+      const auto& params = engine.params();
       auto add = [&](const std::string& suffix, const std::vector<std::vector<float>>& values) {
         for (std::size_t p = 0; p < params.size(); ++p)
           views.push_back({params[p].name + suffix, io::TensorDType::F32,

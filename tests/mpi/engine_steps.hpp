@@ -20,7 +20,7 @@ inline void init_random_params(Engine& engine, std::uint32_t seed = 5) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    std::vector<float> v(engine.layout().params()[p].numel);
+    std::vector<float> v(engine.params()[p].numel);
     for (float& x : v) x = normal(rng);
     engine.set_param(p, v.data());
   }
@@ -34,7 +34,7 @@ inline std::vector<std::vector<float>> read_model_params(Engine& engine, Backend
   std::vector<std::vector<float>> w(engine.param_count());
   for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    const std::size_t n = engine.layout().params()[p].numel;
+    const std::size_t n = engine.params()[p].numel;
     const void* values = engine.param_data(p);
     std::vector<std::byte> staged;
     if (backend) {
@@ -63,6 +63,7 @@ inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<fl
   std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
   std::normal_distribution<float> normal;
   for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    if (engine.frozen(p)) continue;  // no gradient
     void* grad = engine.grad_data(p);
     std::vector<std::byte> staged(backend ? w[p].size() * size_of(g) : 0);
     void* out = backend ? staged.data() : grad;

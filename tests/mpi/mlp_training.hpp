@@ -109,6 +109,9 @@ struct Config {
   std::vector<ParamGroupOptions> groups;
   std::vector<int> param_group;
   int group_of(int param) const { return param_group.empty() ? 0 : param_group[static_cast<std::size_t>(param)]; }
+  /// Frozen parameters (indices in mlp_units() order): never trained.
+  std::vector<int> frozen;
+  bool is_frozen(int param) const { return std::find(frozen.begin(), frozen.end(), param) != frozen.end(); }
 };
 
 /// mlp_units() with each parameter in its group of `c`.
@@ -116,7 +119,10 @@ inline std::vector<std::vector<ParamSpec>> mlp_units_of(const Config& c) {
   auto units = mlp_units();
   int i = 0;
   for (auto& unit : units)
-    for (ParamSpec& p : unit) p.group = c.group_of(i++);
+    for (ParamSpec& p : unit) {
+      p.frozen = c.is_frozen(i);
+      p.group = c.group_of(i++);
+    }
   return units;
 }
 
@@ -154,7 +160,7 @@ inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Bac
       std::vector<std::vector<float>> p(kParamCount);
       std::vector<std::byte> raw;
       for (int i = 0; i < kParamCount - 1; ++i) {  // "unused" is never read
-        p[i].resize(engine.layout().params()[i].numel);
+        p[i].resize(engine.params()[i].numel);
         raw.resize(p[i].size() * size_of(c.dtype));
         backend.synchronize(backend.compute_stream());
         backend.copy_to_host(raw.data(), engine.param_data(i), raw.size());
@@ -168,7 +174,7 @@ inline Trained train_sharded(const Config& c, int stage, Communicator& comm, Bac
       for (int unit : {1, 0}) {
         engine.gather_unit(unit);  // stage 3 gathers again for backward
         for (int i = 0; i < kParamCount - 1; ++i) {
-          if (engine.unit_of(i) != static_cast<std::size_t>(unit)) continue;
+          if (engine.unit_of(i) != static_cast<std::size_t>(unit) || c.is_frozen(i)) continue;
           // Add into the gradient buffer wherever it lives (host or device).
           void* dst = engine.grad_data(i);
           std::vector<std::byte> host(g[i].size() * size_of(c.dtype));
@@ -272,7 +278,8 @@ inline Trained train_reference(const Config& c, int world) {
       for (auto& t : p)
         for (float& x : t) x = round_to(c.dtype, x);
       for (int r = 0; r < world; ++r) {
-        const auto g = mlp_grads(p, batch(step, micro, r));
+        auto g = mlp_grads(p, batch(step, micro, r));
+        for (int i : c.frozen) g[static_cast<std::size_t>(i)].assign(g[static_cast<std::size_t>(i)].size(), 0.0f);
         auto& mine = local[static_cast<std::size_t>(r)];
         for (int i = 0; i < kParamCount; ++i)
           for (std::size_t k = 0; k < g[i].size(); ++k) mine[i][k] = round_to(c.dtype, mine[i][k] + g[i][k]);
@@ -293,6 +300,7 @@ inline Trained train_reference(const Config& c, int world) {
     if (c.max_grad_norm > 0 && norm > c.max_grad_norm) coef = c.max_grad_norm / (norm + 1e-6);
     const EngineOptions grouped = engine_options(c, 0);
     for (int i = 0; i < kParamCount; ++i) {
+      if (c.is_frozen(i)) continue;
       const auto g = static_cast<std::size_t>(c.group_of(i));
       const OptimizerOptions opt = grouped.group_optimizer(g);
       const StepScalars s =
@@ -307,6 +315,8 @@ inline Trained train_reference(const Config& c, int world) {
       cpu_optimizer_step(opt, s, u, CpuKernel::reference);
     }
   }
+  for (int i : c.frozen)  // kept as the model dtype holds them
+    for (float& x : master[static_cast<std::size_t>(i)]) x = round_to(c.dtype, x);
   out.master = master;
   return out;
 }
@@ -367,6 +377,12 @@ inline std::vector<Config> configs() {
                     {.name = "gain", .lr_scale = 2.0, .weight_decay = 0.0, .eps = 1e-6}};
   grouped.param_group = {0, 1, 2, 1, 3, 0};  // W1 B1 W2 B2 GAIN UNUSED
   out.push_back(grouped);
+  // Frozen parameters: part of unit 0 (fc1.weight) and of unit 1 (gain), and
+  // all of unit 2 (an empty trainable bucket); bf16 with accumulation.
+  Config frozen = out[1];
+  frozen.dtype = DType::bf16;
+  frozen.frozen = {W1, GAIN, UNUSED};
+  out.push_back(frozen);
   Config sgd;
   sgd.optimizer.kind = OptimizerKind::sgd;
   sgd.optimizer.lr = 0.05;

@@ -57,6 +57,66 @@ TEST_CASE("stages 0..3 equal unsharded training and each other") {
   }
 }
 
+// Frozen parameters keep exactly the values they were given (rounded to the
+// model dtype), at every stage and with offload, and cost parameter bytes only.
+TEST_CASE("frozen parameters stay bitwise unchanged and hold no gradient, master, state or EMA") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  Config c = configs().front();
+  c.dtype = DType::bf16;
+  c.ema_decay = 0.9;
+  c.frozen = {W1, GAIN, UNUSED};
+  const auto init = initial_params();
+  struct Variant {
+    int stage;
+    bool offload, offload_params;
+  };
+  for (const Variant v : {Variant{0, false, false}, Variant{1, false, false}, Variant{2, false, false},
+                          Variant{3, false, false}, Variant{2, true, false}, Variant{3, true, true}}) {
+    CAPTURE(v.stage);
+    CAPTURE(v.offload);
+    CAPTURE(v.offload_params);
+    Config run = c;
+    run.offload = v.offload;
+    run.offload_params = v.offload_params;
+    const Trained t = train_sharded(run, v.stage, comm, *backend);
+    for (int i = 0; i < kParamCount; ++i) {
+      CAPTURE(i);
+      std::vector<float> rounded = init[static_cast<std::size_t>(i)];
+      for (float& x : rounded) x = round_to(c.dtype, x);
+      const bool same = t.model[static_cast<std::size_t>(i)] == rounded;
+      CHECK(same == c.is_frozen(i));  // frozen: unchanged; trained: moved
+      if (c.is_frozen(i)) {
+        CHECK(t.master[static_cast<std::size_t>(i)] == rounded);
+        CHECK(t.ema[static_cast<std::size_t>(i)] == rounded);
+      }
+    }
+    // Accounting: the trainable layout holds the trainable parameters only,
+    // and master, state and EMA follow it; frozen ones add parameter bytes.
+    Engine engine(mlp_units_of(run), engine_options(run, v.stage), comm, *backend);
+    std::size_t trainable = 0, frozen = 0;
+    for (int i = 0; i < kParamCount; ++i) (c.is_frozen(i) ? frozen : trainable) += engine.params()[i].numel;
+    CHECK(engine.layout().param_numel() == trainable);
+    CHECK(engine.frozen_layout().param_numel() == frozen);
+    CHECK(engine.frozen_count() == c.frozen.size());
+    const MemoryByCategory with = model_state_bytes(engine.plan(), engine.layout().padded_numel(),
+                                                    engine.frozen_layout().padded_numel());
+    const MemoryByCategory without = model_state_bytes(engine.plan(), engine.layout().padded_numel());
+    const MemoryByCategory live = engine.memory(), host = engine.host_memory();
+    CHECK(live.params == with.params);
+    CHECK(live.master == without.master);
+    CHECK(live.optimizer_state == without.optimizer_state);
+    CHECK(live.ema == without.ema);
+    CHECK(live.grads == without.grads);
+    const std::size_t p = size_of(c.dtype), padded_frozen = engine.frozen_layout().padded_numel();
+    const std::size_t expected_frozen = (v.stage == 3 ? padded_frozen / static_cast<std::size_t>(comm.size()) : padded_frozen) * p;
+    if (v.offload_params) CHECK(host.params == host_model_state_bytes(engine.plan(), engine.layout().padded_numel()).params + expected_frozen);
+    else CHECK(live.params == without.params + expected_frozen);
+    CHECK_THROWS_AS(engine.grad_data(W1), InvalidArgument);
+    CHECK_THROWS_AS(engine.grad_ready(GAIN), InvalidArgument);
+  }
+}
+
 // ZeRO-Offload runs the same per-element math on the CPU (bit-identical to
 // the device kernels), so moving the optimizer to host memory must not change
 // a single bit of the weights, the EMA or the gradient norms.

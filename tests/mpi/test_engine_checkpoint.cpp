@@ -19,8 +19,12 @@ using namespace zero;
 
 namespace {
 
-std::vector<std::vector<ParamSpec>> units() {
-  return {{{"a", 1000, {}}, {"b", 37, {}}}, {{"c", 4099, {}}}, {{"d", 3, {}}, {"e", 517, {}}}};
+// with_frozen: "b" (beside a trainable parameter) and "c" (a unit of its own) frozen.
+std::vector<std::vector<ParamSpec>> units(bool with_frozen = false) {
+  std::vector<std::vector<ParamSpec>> u = {
+      {{"a", 1000, {}}, {"b", 37, {}}}, {{"c", 4099, {}}}, {{"d", 3, {}}, {"e", 517, {}}}};
+  u[0][1].frozen = u[1][0].frozen = with_frozen;
+  return u;
 }
 
 EngineOptions options(int stage, DType dtype, bool offload = false) {
@@ -55,11 +59,12 @@ TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
   double pid = ::getpid();
   comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
   const std::string tag = "resume" + std::to_string(static_cast<long>(pid));
-  for (DType dtype : {DType::fp32, DType::bf16}) {
+  for (const auto& [dtype, frozen] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, false}, std::pair{DType::bf16, true}}) {
     for (int save_stage = 0; save_stage <= 3; ++save_stage) {
       CAPTURE(dtype);
+      CAPTURE(frozen);
       CAPTURE(save_stage);
-      Engine straight(units(), options(save_stage, dtype), comm, *backend);
+      Engine straight(units(frozen), options(save_stage, dtype), comm, *backend);
       init(straight);
       for (int s = 0; s < 3; ++s) train_step(straight, s, comm.rank());
       const std::string path = shard_path(tag, comm.rank());
@@ -74,8 +79,8 @@ TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
       for (const auto& [resume_stage, offload] : resumes) {
         CAPTURE(resume_stage);
         CAPTURE(offload);
-        Engine resumed(units(), options(resume_stage, dtype, offload), comm, *backend);
-        init(resumed);  // overwritten by the load
+        Engine resumed(units(frozen), options(resume_stage, dtype, offload), comm, *backend);
+        testing::init_random_params(resumed, 99);  // other values, all overwritten by the load (frozen ones too)
         resumed.load_state(path);
         CHECK(resumed.steps_applied() == 3);
         for (int s = 3; s < 6; ++s) train_step(resumed, s, comm.rank());
@@ -133,8 +138,16 @@ TEST_CASE("a shard of another model, rank or world size is refused, naming the f
   sgd.optimizer.kind = OptimizerKind::sgd;
   Engine with_sgd(units(), sgd, comm, *backend);
   CHECK_THROWS_WITH_AS(with_sgd.load_state(path), doctest::Contains("optimizer is \"adamw\""), IoError);
+  // Another set of frozen parameters is another model, both ways round.
+  Engine with_frozen(units(true), options(2, DType::bf16), comm, *backend);
+  CHECK_THROWS_WITH_AS(with_frozen.load_state(path), doctest::Contains("this run has frozen parameters"), IoError);
+  const std::string frozen_path = shard_path(tag + "frozen", comm.rank());
+  with_frozen.save_state(frozen_path);
+  CHECK_THROWS_WITH_AS(engine.load_state(frozen_path), doctest::Contains("the checkpoint has frozen parameters"),
+                       IoError);
   comm.barrier();
   std::filesystem::remove(path);
+  std::filesystem::remove(frozen_path);
 }
 
 TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1 -> N)") {
@@ -161,15 +174,16 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
     return Snapshot{e.gather_master_params(), e.gather_ema_params(), e.gather_optimizer_state(0),
                     e.gather_optimizer_state(1)};
   };
-  for (DType dtype : {DType::fp32, DType::bf16}) {
+  for (const auto& [dtype, frozen] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, false}, std::pair{DType::bf16, true}}) {
     for (int stage : {1, 3}) {
       CAPTURE(dtype);
+      CAPTURE(frozen);
       CAPTURE(stage);
       // N -> N-1, saved at one stage and alignment, resumed at another.
       EngineOptions big_options = options(stage, dtype);
       EngineOptions small_options = options(3 - stage + 1, dtype);  // 1 <-> 3
       small_options.buckets.alignment_elements = 4;
-      Engine big(units(), big_options, comm, *backend);
+      Engine big(units(frozen), big_options, comm, *backend);
       init(big);
       for (int s = 0; s < 3; ++s) train_step(big, s, comm.rank());
       big.save_state(shard_path(tag + "big", comm.rank()));
@@ -177,7 +191,7 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       comm.barrier();
       if (in_small) {
         MpiCommunicator sub(sub_comm);
-        Engine resumed(units(), small_options, sub, *backend);
+        Engine resumed(units(frozen), small_options, sub, *backend);
         resumed.load_state_resharded(files_of("big", n));
         CHECK(resumed.steps_applied() == 3);
         const Snapshot got = snapshot(resumed);
@@ -193,11 +207,11 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       std::optional<Snapshot> saved_small;
       if (in_small) {
         MpiCommunicator sub(sub_comm);
-        Engine again(units(), small_options, sub, *backend);
+        Engine again(units(frozen), small_options, sub, *backend);
         again.load_state(shard_path(tag + "small", sub.rank()));
         saved_small = snapshot(again);
       }
-      Engine grown(units(), big_options, comm, *backend);
+      Engine grown(units(frozen), big_options, comm, *backend);
       grown.load_state_resharded(files_of("small", small));
       CHECK(grown.steps_applied() == 4);
       const Snapshot got = snapshot(grown);

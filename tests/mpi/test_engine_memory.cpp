@@ -33,7 +33,7 @@ void run_one_step(Engine& engine) {
     for (std::size_t u = 0; u < engine.unit_count(); ++u) engine.gather_unit(u);
     for (std::size_t p = 0; p < engine.param_count(); ++p) {
       void* g = engine.grad_data(p);
-      for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+      for (std::size_t k = 0; k < engine.params()[p].numel; ++k)
         store_from_float(g, k, engine.options().effective_grad_dtype(), 1e-3f * static_cast<float>(k % 7));
       engine.grad_ready(p);
     }
@@ -210,7 +210,7 @@ TEST_CASE("fp16: an overflow on one rank skips the step everywhere and backs the
     std::mt19937 rng(3);
     std::normal_distribution<float> normal;
     for (std::size_t p = 0; p < engine.param_count(); ++p) {
-      std::vector<float> values(engine.layout().params()[p].numel);
+      std::vector<float> values(engine.params()[p].numel);
       for (float& x : values) x = normal(rng);
       engine.set_param(p, values.data());
     }
@@ -218,7 +218,7 @@ TEST_CASE("fp16: an overflow on one rank skips the step everywhere and backs the
     auto micro_step = [&](bool overflow) {
       for (std::size_t p = 0; p < engine.param_count(); ++p) {
         void* g = engine.grad_data(p);
-        const std::size_t numel = engine.layout().params()[p].numel;
+        const std::size_t numel = engine.params()[p].numel;
         for (std::size_t k = 0; k < numel; ++k) store_from_float(g, k, DType::fp16, 0.5f);
         // The last rank's gradient overflows fp16 in one element.
         if (overflow && comm.rank() == comm.size() - 1 && numel > 0) store_from_float(g, numel - 1, DType::fp16, INFINITY);
@@ -266,7 +266,7 @@ void run_model_steps(Engine& engine, const std::vector<bool>& recomputed, int st
         const Bucket& bucket = engine.layout().buckets()[u];
         for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
           void* g = engine.grad_data(p);
-          for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k)
+          for (std::size_t k = 0; k < engine.params()[p].numel; ++k)
             store_from_float(g, k, gdt, 1e-3f * static_cast<float>((k + p) % 7));
           engine.grad_ready(p);
         }

@@ -278,9 +278,9 @@ TEST_CASE("parameter groups: ShardedModel at stages 0..3 equals torch::optim::Ad
     const auto master = model.engine().gather_master_params();
     double worst = 0;
     for (std::size_t i = 0; i < master.size(); ++i) {
-      const std::string& name = model.engine().layout().params()[i].name;
+      const std::string& name = model.engine().params()[i].name;
       CAPTURE(name);
-      CHECK(model.engine().layout().params()[i].group == ids[static_cast<std::size_t>(std::find(all.begin(), all.end(), name) - all.begin())]);
+      CHECK(model.engine().params()[i].group == ids[static_cast<std::size_t>(std::find(all.begin(), all.end(), name) - all.begin())]);
       const torch::Tensor& w = want.at(name);
       torch::Tensor got = torch::from_blob(const_cast<float*>(master[i].data()), w.sizes(), torch::kFloat32);
       worst = std::max(worst, ((got - w).abs().max() / w.abs().max()).item<double>());

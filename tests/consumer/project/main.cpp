@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
     engine.set_param(1, zeros.data());
     for (std::size_t p = 0; p < 2; ++p) {
       void* g = engine.grad_data(p);
-      for (std::size_t k = 0; k < engine.layout().params()[p].numel; ++k) zero::store_from_float(g, k, zero::DType::bf16, -1.0f);
+      for (std::size_t k = 0; k < engine.params()[p].numel; ++k) zero::store_from_float(g, k, zero::DType::bf16, -1.0f);
       engine.grad_ready(p);
     }
     engine.finish_micro_step();

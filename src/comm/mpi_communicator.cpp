@@ -194,6 +194,28 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeou
   set_process_rank(rank_);
 }
 
+MpiCommunicator::MpiCommunicator(Adopt, MPI_Comm comm, std::chrono::milliseconds timeout,
+                                 int local_rank, int local_size)
+    : timeout_(timeout), comm_(comm), local_rank_(local_rank), local_size_(local_size) {
+  // MPI_Comm_split passes the parent's error handler on; set it anyway, so
+  // that this communicator returns codes whatever the parent was given.
+  ZERO_CHECK_MPI(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  ZERO_CHECK_MPI(MPI_Comm_rank(comm_, &rank_));
+  ZERO_CHECK_MPI(MPI_Comm_size(comm_, &size_));
+  // node_comm_ stays null: the node-local values are the parent's.
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  // The agreement is a collective waited for with the timeout, so a rank
+  // that died or hung is reported here instead of leaving MPI_Comm_split
+  // (which has no non-blocking form) waiting forever.
+  agree_on_split_color(*this, color);
+  MPI_Comm child = MPI_COMM_NULL;
+  ZERO_CHECK_MPI(MPI_Comm_split(comm_, color, key, &child));
+  ZERO_ASSERT(child != MPI_COMM_NULL, "MPI_Comm_split gave no communicator for color ", color);
+  return std::unique_ptr<Communicator>(new MpiCommunicator(Adopt{}, child, timeout_, local_rank_, local_size_));
+}
+
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);

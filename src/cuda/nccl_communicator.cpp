@@ -285,6 +285,64 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, MPI_Comm host_comm, NcclOpti
   init_common();
 }
 
+NcclCommunicator::NcclCommunicator(SplitTag, NcclOptions options, int device, int local_rank,
+                                   int local_size)
+    : state_(std::make_shared<State>()), options_(options), local_rank_(local_rank),
+      local_size_(local_size), device_(device) {
+  state_->device = device_;
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+  (void)color;
+  (void)key;
+  ZERO_THROW(InvalidArgument, "NcclCommunicator::split needs ncclCommSplit (NCCL >= 2.18); zero was "
+             "built against NCCL ", NCCL_MAJOR, ".", NCCL_MINOR, ".", NCCL_PATCH);
+#else
+  state_->check_usable();
+  agree_on_split_color(*this, color);
+  // The child frees what it holds if a later step throws: its host comm
+  // (owns_host_comm_) and its NCCL comm (State::owned, set once it exists).
+  std::unique_ptr<NcclCommunicator> child(
+      new NcclCommunicator(SplitTag{}, options_, device_, local_rank_, local_size_));
+  if (host_comm_ != MPI_COMM_NULL) {
+    ZERO_NCCL_CHECK_MPI(MPI_Comm_split(host_comm_, color, key, &child->host_comm_));
+    child->owns_host_comm_ = true;
+  }
+  {
+    DeviceGuard guard(device_);
+    // Blocking, as the bootstrap's: the child's calls then return final
+    // results, which is what every call in this file expects. Given rather
+    // than inherited (a null config), so the child does not depend on how
+    // a wrapped parent was configured.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    ncclComm_t comm = nullptr;
+    ZERO_CHECK_NCCL(ncclCommSplit(state_->comm, color, key, &comm, &config));
+    ZERO_ASSERT(comm != nullptr, "ncclCommSplit gave no communicator for color ", color);
+    child->state_->comm = comm;
+    child->state_->owned = true;
+  }
+  // An error NCCL reports after the split returned surfaces here, on the
+  // communicator it concerns, which is then aborted (State::check_async).
+  state_->check_async();
+  child->state_->check_async();
+  ZERO_CHECK_NCCL(ncclCommUserRank(child->state_->comm, &child->rank_));
+  ZERO_CHECK_NCCL(ncclCommCount(child->state_->comm, &child->size_));
+  if (child->host_comm_ != MPI_COMM_NULL) {
+    // NCCL and MPI both order a group by key, then by the parent's rank;
+    // a mismatch would pair one rank's host reductions with another's.
+    int mpi_rank = 0, mpi_size = 0;
+    ZERO_NCCL_CHECK_MPI(MPI_Comm_rank(child->host_comm_, &mpi_rank));
+    ZERO_NCCL_CHECK_MPI(MPI_Comm_size(child->host_comm_, &mpi_size));
+    ZERO_ASSERT(mpi_rank == child->rank_ && mpi_size == child->size_, "split host communicator: rank ",
+                mpi_rank, " of ", mpi_size, ", NCCL's: ", child->rank_, " of ", child->size_);
+  }
+  child->init_common();
+  return child;
+#endif
+}
+
 void NcclCommunicator::init_common() {
   state_->device = device_;
   state_->timeout = options_.timeout;

@@ -68,6 +68,10 @@ StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host)
 
 StagedCommunicator::~StagedCommunicator() = default;
 
+std::unique_ptr<Communicator> StagedCommunicator::split(int color, int key) {
+  return std::make_unique<StagedCommunicator>(host_->split(color, key));
+}
+
 std::size_t StagedCommunicator::workspace_bytes() const {
   return staging_->bytes + host_->workspace_bytes();
 }

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <chrono>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -233,6 +234,121 @@ TEST_CASE("comm: StagedCommunicator over MPI at any world size") {
   CHECK(comm.backend_name() == "staged(mpi)");
   exercise(comm);
   CHECK(comm.peak_workspace_bytes() > 0);
+}
+
+// NCCL cannot put two ranks on one GPU: with one GPU this runs at world 1
+// only (S = 1: shard and replica groups of one rank each), which still
+// creates and destroys real child ncclComm_t's and runs NCCL through them.
+TEST_CASE("comm: NcclCommunicator split_hybrid (one GPU per rank)") {
+  int world = 0, local_size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  {
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    MPI_Comm_size(node, &local_size);
+    MPI_Comm_free(&node);
+  }
+  if (local_size > device_count()) {
+    MESSAGE("skipped NCCL split at this world size: ", local_size, " ranks share ", device_count(),
+            " GPU(s) on this node (StagedCommunicator's split is tested instead)");
+    return;
+  }
+  for (int s = 1; s <= world; ++s) {
+    if (world % s != 0) continue;
+    INFO("S = ", s, " of N = ", world);
+    HybridGroups groups;
+    int device = -1;
+    {
+      NcclCommunicator parent(MPI_COMM_WORLD);
+      device = parent.device();
+      groups = parent.split_hybrid(s);
+      CHECK(groups.shard->size() == s);
+      CHECK(groups.shard->rank() == parent.rank() % s);
+      CHECK(groups.replica->size() == world / s);
+      CHECK(groups.replica->rank() == parent.rank() / s);
+      for (Communicator* group : {groups.shard.get(), groups.replica.get()}) {
+        CHECK(group->backend_name() == "nccl");
+        CHECK(group->local_rank() == parent.local_rank());
+        CHECK(group->local_size() == parent.local_size());
+        auto& nccl = dynamic_cast<NcclCommunicator&>(*group);
+        CHECK(nccl.device() == device);
+        CHECK(nccl.nccl_comm() != parent.nccl_comm());
+      }
+      // A negative color (NCCL_SPLIT_NOCOLOR: no communicator) is refused.
+      CHECK_THROWS_AS((void)parent.split(-1, 0), InvalidArgument);
+    }
+    // The parent is gone; the groups own their NCCL communicators.
+    for (Communicator* group : {groups.shard.get(), groups.replica.get()}) exercise(*group);
+    {
+      // Communicator::all_reduce skips NCCL at one rank; call NCCL itself on
+      // the shard group's communicator, out of place, so its kernel runs.
+      auto& shard = dynamic_cast<NcclCommunicator&>(*groups.shard);
+      TestStream stream;
+      const std::size_t count = 1000;
+      const HostArray input = rank_data(DType::fp32, shard.rank(), count);
+      DeviceBuffer in(count * 4), out(count * 4);
+      in.upload(input.bytes.data(), count * 4);
+      ZERO_CHECK_NCCL(ncclAllReduce(in.data(), out.data(), count, ncclFloat32, ncclSum,
+                                    shard.nccl_comm(), stream.stream));
+      ZERO_CHECK_CUDA(cudaStreamSynchronize(stream.stream));
+      HostArray got(DType::fp32, count);
+      out.download(got.data(), count * 4);
+      std::vector<float> expect(count);
+      for (std::size_t i = 0; i < count; ++i) expect[i] = reduce_reference(ReduceOp::sum, s, i, DType::fp32);
+      CHECK(count_wrong(got, expect) == 0);
+    }
+    // A group splits again: S' = 1 inside the shard group.
+    HybridGroups again = groups.shard->split_hybrid(1);
+    CHECK(again.replica->size() == s);
+    CHECK(dynamic_cast<NcclCommunicator&>(*again.replica).device() == device);
+    exercise(*again.replica);
+  }
+}
+
+TEST_CASE("comm: NcclCommunicator split of a wrapped ncclComm_t (world 1)") {
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world != 1) {
+    MESSAGE("skipped: single-process test");
+    return;
+  }
+  // Without MPI: the child's barrier and host reductions go through NCCL.
+  // The child owns its communicator; the caller's stays the caller's.
+  ncclComm_t raw = nullptr;
+  int first = 0;
+  ZERO_CHECK_NCCL(ncclCommInitAll(&raw, 1, &first));
+  {
+    NcclCommunicator wrapped(raw, MPI_COMM_NULL, NcclOptions{}, 0, 1);
+    std::unique_ptr<Communicator> child = wrapped.split(3, 0);
+    CHECK(dynamic_cast<NcclCommunicator&>(*child).nccl_comm() != raw);
+    exercise(*child);
+  }
+  DeviceBuffer buffer(64);
+  ZERO_CHECK_NCCL(ncclAllReduce(buffer.data(), buffer.data(), 4, ncclFloat32, ncclSum, raw, nullptr));
+  ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+  ZERO_CHECK_NCCL(ncclCommDestroy(raw));
+}
+
+TEST_CASE("comm: StagedCommunicator split_hybrid at any world size") {
+  MpiCommunicator host(MPI_COMM_WORLD);
+  StagedCommunicator staged(host);
+  const int n = staged.size(), me = staged.rank();
+  for (int s = 1; s <= n; ++s) {
+    if (n % s != 0) continue;
+    INFO("S = ", s, " of N = ", n);
+    HybridGroups groups = staged.split_hybrid(s);
+    CHECK(groups.shard->size() == s);
+    CHECK(groups.shard->rank() == me % s);
+    CHECK(groups.replica->size() == n / s);
+    CHECK(groups.replica->rank() == me / s);
+    for (Communicator* group : {groups.shard.get(), groups.replica.get()}) {
+      CHECK(group->backend_name() == "staged(mpi)");
+      CHECK(group->memory_kind() == MemoryKind::device);
+      // Each group's ranks are numbered 0..size-1, so exercise()'s
+      // reference (values by group rank) holds in every group at once.
+      exercise(*group);
+    }
+  }
 }
 
 TEST_CASE("comm: NcclOptions validation") {

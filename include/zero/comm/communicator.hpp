@@ -12,7 +12,10 @@
 // - every call returns a Work handle; the result may be read only after
 //   wait() (or synchronize() for device streams); calls are issued in the
 //   same order on every rank (the MPI rule), from one thread;
-// - `stream` is last and ignored by host backends (opaque cudaStream_t).
+// - `stream` is last and ignored by host backends (opaque cudaStream_t);
+// - split() and split_hybrid() are collectives like the others; the
+//   communicators they return are independent of their parent (either may be
+//   destroyed first) and keep the parent's local_rank()/local_size().
 #pragma once
 
 #include <chrono>
@@ -61,6 +64,34 @@ class CompletedWork final : public Work {
 /// Which kind of memory a backend's buffers live in.
 enum class MemoryKind { host, device };
 
+class Communicator;
+
+/// The two communicators of hybrid sharding (HSDP) over a world of N = R x S
+/// ranks: parameters are sharded over a shard group of S ranks and replicated
+/// over R replica groups. See Communicator::split_hybrid.
+struct HybridGroups {
+  /// This rank's shard group: world ranks [g*S, (g+1)*S) with g = rank / S,
+  /// ordered by world rank (rank() = world rank % S). One node when the
+  /// launcher places consecutive ranks on a node (docs/hsdp-launch.md).
+  std::unique_ptr<Communicator> shard;
+  /// The R ranks with the same world rank % S, ordered by world rank
+  /// (rank() = world rank / S): the ranks holding the same shard.
+  std::unique_ptr<Communicator> replica;
+};
+
+/// Throws zero::InvalidArgument unless 1 <= shard_group_size <= world_size and
+/// shard_group_size divides world_size. Local arithmetic on values every rank
+/// shares, so every rank throws the same error and none is left waiting in a
+/// collective.
+void check_shard_group_size(int shard_group_size, int world_size);
+
+/// For implementations of Communicator::split: collective over `parent`.
+/// Throws zero::InvalidArgument on every rank when any rank passed a negative
+/// color (MPI_UNDEFINED and NCCL_SPLIT_NOCOLOR are negative: such a rank would
+/// get no communicator, which split()'s return type cannot say), so a bad
+/// color on one rank cannot leave the others waiting inside the split.
+void agree_on_split_color(Communicator& parent, int color);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -92,6 +123,23 @@ class Communicator {
   /// Scratch bytes the backend holds now and at most (counted as engine buffers).
   virtual std::size_t workspace_bytes() const { return 0; }
   virtual std::size_t peak_workspace_bytes() const { return 0; }
+
+  /// MPI_Comm_split's semantics, collective over every rank of this
+  /// communicator: the ranks passing the same color form a new communicator
+  /// of the same backend, ranked by key, ties by rank here. Colors must be
+  /// >= 0 on every rank (a negative one throws zero::InvalidArgument on every
+  /// rank). The default throws zero::InvalidArgument naming backend_name():
+  /// a backend that cannot form sub-groups says so instead of guessing.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+
+  /// Splits a world of N = R x S ranks for hybrid sharding (see HybridGroups):
+  /// shard group color rank / S, replica group color rank % S, both keyed by
+  /// rank. S == N gives a shard group holding the whole world (still a new
+  /// communicator) and replica groups of one rank. Throws
+  /// zero::InvalidArgument on every rank (check_shard_group_size) unless
+  /// 1 <= S <= N and S divides N. The default calls split() twice, shard
+  /// group first.
+  virtual HybridGroups split_hybrid(int shard_group_size);
 };
 
 }  // namespace zero

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "zero/comm/communicator.hpp"
@@ -84,8 +85,20 @@ class MpiCommunicator final : public Communicator {
   std::size_t workspace_bytes() const override { return workspace_bytes_; }
   std::size_t peak_workspace_bytes() const override { return peak_workspace_bytes_; }
 
+  /// MPI_Comm_split of this communicator (see Communicator::split). The new
+  /// MpiCommunicator owns and frees its MPI_Comm, returns MPI errors as codes
+  /// and has this one's timeout. Its local_rank()/local_size() stay this
+  /// one's (the rank among the node's processes, which picks the GPU), not
+  /// the rank among the group's members on the node. Error messages keep
+  /// naming the world rank: a child does not call set_process_rank.
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
  private:
   friend class MpiWork;
+  struct Adopt {};
+  /// Takes ownership of `comm` (a split's result); node-local values given.
+  MpiCommunicator(Adopt, MPI_Comm comm, std::chrono::milliseconds timeout, int local_rank,
+                  int local_size);
   void track_workspace(std::ptrdiff_t delta);
 
   std::chrono::milliseconds timeout_;

@@ -93,9 +93,22 @@ class NcclCommunicator final : public Communicator {
   /// True once a timeout or an asynchronous NCCL error aborted the communicator.
   bool aborted() const;
 
+  /// ncclCommSplit (NCCL >= 2.18; older NCCL throws zero::InvalidArgument),
+  /// collective over every rank of this communicator; see Communicator::split.
+  /// The child owns its ncclComm_t (finalized and destroyed with it, even
+  /// when this one wraps a caller's), runs on the same GPU with the same
+  /// NcclOptions and keeps this one's local_rank()/local_size() (they chose
+  /// the GPU). When this one has a host MPI communicator, it is split with
+  /// the same color and key for the child's barrier() and host reductions.
+  /// Like the bootstrap, the split blocks until every rank has called it.
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
   struct State;  // shared with outstanding Work (public only for the .cpp's helpers)
 
  private:
+  struct SplitTag {};
+  /// A child of split() before its communicators exist: no NCCL or MPI calls.
+  NcclCommunicator(SplitTag, NcclOptions options, int device, int local_rank, int local_size);
   void init_common();
   WorkPtr finish(Stream stream);
   WorkPtr one_rank_copy(void* dst, const void* src, std::size_t bytes, Stream stream);

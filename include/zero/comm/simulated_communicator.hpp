@@ -4,6 +4,8 @@
 // data is ever read or written.
 #pragma once
 
+#include <memory>
+
 #include "zero/comm/communicator.hpp"
 #include "zero/core/error.hpp"
 
@@ -12,14 +14,14 @@ namespace zero {
 class SimulatedCommunicator final : public Communicator {
  public:
   SimulatedCommunicator(int world_size, int rank = 0, MemoryKind kind = MemoryKind::device)
-      : size_(world_size), rank_(rank), kind_(kind) {
+      : size_(world_size), rank_(rank), local_rank_(rank), local_size_(world_size), kind_(kind) {
     ZERO_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "SimulatedCommunicator: rank ", rank,
                " of world size ", world_size);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  int local_rank() const override { return rank_; }
-  int local_size() const override { return size_; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
   MemoryKind memory_kind() const override { return kind_; }
   std::string backend_name() const override { return "simulated"; }
 
@@ -32,9 +34,32 @@ class SimulatedCommunicator final : public Communicator {
   /// and so does a sum (the engine's agreement checks pass).
   void all_reduce_host_f64(double*, std::size_t, ReduceOp) override {}
 
+  /// Refuses, as the default does: a simulated rank stands for all N alone
+  /// and never hears the other ranks' colors, so it cannot know who shares
+  /// its group. split_hybrid's groups follow from (rank, N, S), so that works.
+  std::unique_ptr<Communicator> split(int, int) override {
+    ZERO_THROW(InvalidArgument, "communicator 'simulated' cannot be split: one simulated rank does "
+               "not know the other ranks' colors (split_hybrid works)");
+  }
+  /// The groups a real split_hybrid would give this rank, simulated: a shard
+  /// group of S ranks (rank % S) and a replica group of N / S (rank / S), on
+  /// the same memory kind and this one's local rank and size (as every
+  /// backend's split keeps them). Their collectives complete at once, as here.
+  HybridGroups split_hybrid(int shard_group_size) override {
+    check_shard_group_size(shard_group_size, size_);
+    const int s = shard_group_size;
+    auto shard = std::make_unique<SimulatedCommunicator>(s, rank_ % s, kind_);
+    auto replica = std::make_unique<SimulatedCommunicator>(size_ / s, rank_ / s, kind_);
+    for (SimulatedCommunicator* group : {shard.get(), replica.get()}) {
+      group->local_rank_ = local_rank_;
+      group->local_size_ = local_size_;
+    }
+    return {std::move(shard), std::move(replica)};
+  }
+
  private:
   static WorkPtr done() { return std::make_unique<CompletedWork>(); }
-  int size_, rank_;
+  int size_, rank_, local_rank_, local_size_;
   MemoryKind kind_;
 };
 

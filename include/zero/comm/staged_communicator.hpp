@@ -55,6 +55,10 @@ class StagedCommunicator final : public Communicator {
 
   Communicator& host() { return *host_; }
 
+  /// Splits the host communicator (collective over its ranks) and stages the
+  /// result: an owning StagedCommunicator with its own pinned buffers.
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
  private:
   struct Staging;
   unsigned char* stage(std::size_t bytes);

@@ -24,9 +24,10 @@ std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
 }
 }  // namespace
 
-Engine::Impl::Impl(Communicator& c, Backend& b, const FlatLayout& l, const FlatLayout& frozen,
-                   const EngineOptions& o)
+Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const FlatLayout& l,
+                   const FlatLayout& frozen, const EngineOptions& o)
     : comm(c),
+      replica_comm(replicas),
       backend(b),
       layout(l),
       frozen_layout(frozen),
@@ -208,8 +209,15 @@ void Engine::Impl::state_from_host(void* state, const void* host_src, std::size_
 // ---------------------------------------------------------------- construction
 
 namespace {
+// The ranks a layout is sharded over: the shard group with hybrid sharding.
+int shard_world_size(const EngineOptions& options, const Communicator& comm) {
+  if (options.shard_group_size <= 0) return comm.size();
+  check_shard_group_size(options.shard_group_size, comm.size());
+  return options.shard_group_size;
+}
+
 LayoutOptions layout_options(const EngineOptions& options, const Communicator& comm) {
-  return {.world_size = comm.size(),
+  return {.world_size = shard_world_size(options, comm),
           .alignment = options.buckets.alignment_elements,
           .bucket_elements = std::max<std::size_t>(1, options.buckets.bytes / size_of(options.param_dtype))};
 }
@@ -283,34 +291,48 @@ Engine::Engine(Units units, const EngineOptions& options, Communicator& comm, Ba
       unit_params_(std::move(units.unit_params)),
       layout_(std::move(units.trainable)),
       frozen_layout_(std::move(units.frozen)),
-      rank_(comm.rank()),
-      world_(comm.size()),
       lr_(options.optimizer.lr),
       scaler_(options.effective_loss_scaling() ? options.loss_scaler : LossScalerOptions{.dynamic = false, .initial_scale = 1.0}) {
   options_.validate();
+  const int shard_size = shard_world_size(options_, comm);
   ZERO_CHECK(comm.memory_kind() == backend.memory_kind(), "communicator '", comm.backend_name(),
              "' works on ", comm.memory_kind() == MemoryKind::host ? "host" : "device",
              " memory but backend '", backend.name(), "' allocates ",
              backend.memory_kind() == MemoryKind::host ? "host" : "device", " memory");
   // Every rank must build the same layout; a mismatch would silently pair
   // different parameters in the collectives.
-  std::array<double, 4> mine = {static_cast<double>(layout_.padded_numel()),
+  // (Over the whole world, before any split: a rank with another shard
+  // group size would split differently and wait forever.)
+  std::array<double, 5> mine = {static_cast<double>(layout_.padded_numel()),
                                 static_cast<double>(params_.size()),
                                 static_cast<double>(options_.stage),
-                                static_cast<double>(frozen_layout_.padded_numel())};
-  std::array<double, 4> low = mine, high = mine;
-  comm.all_reduce_host_f64(low.data(), 4, ReduceOp::min);
-  comm.all_reduce_host_f64(high.data(), 4, ReduceOp::max);
+                                static_cast<double>(frozen_layout_.padded_numel()),
+                                static_cast<double>(shard_size)};
+  std::array<double, 5> low = mine, high = mine;
+  comm.all_reduce_host_f64(low.data(), 5, ReduceOp::min);
+  comm.all_reduce_host_f64(high.data(), 5, ReduceOp::max);
   ZERO_CHECK(low == high, "ranks disagree on the model: this rank has ", params_.size(),
              " parameters (", layout_.padded_numel(), " padded trainable and ", frozen_layout_.padded_numel(),
-             " frozen elements, stage ", options_.stage, "), others between ", low[1], " and ", high[1],
-             " parameters (", low[0], " to ", high[0], " trainable and ", low[3], " to ", high[3],
-             " frozen elements, stage ", low[2], " to ", high[2], ")");
+             " frozen elements, stage ", options_.stage, ", shard groups of ", shard_size, "), others between ",
+             low[1], " and ", high[1], " parameters (", low[0], " to ", high[0], " trainable and ", low[3], " to ",
+             high[3], " frozen elements, stage ", low[2], " to ", high[2], ", shard groups of ", low[4], " to ",
+             high[4], ")");
+  Communicator& shards = shard_comm(comm);
+  rank_ = shards.rank();
+  world_ = shards.size();
   for (const ParamSpec& p : layout_.params())
     ZERO_CHECK(p.group >= 0 && static_cast<std::size_t>(p.group) < options_.group_count(), "parameter '", p.name,
                "' is in group ", p.group, " but EngineOptions.param_groups has ", options_.group_count(),
                options_.param_groups.empty() ? " (none given: every parameter is in group 0)" : "");
-  impl_ = std::make_unique<Impl>(comm, backend, layout_, frozen_layout_, options_);
+  impl_ = std::make_unique<Impl>(shards, hybrid_.replica.get(), backend, layout_, frozen_layout_, options_);
+}
+
+Communicator& Engine::shard_comm(Communicator& world) {
+  if (options_.shard_group_size <= 0 || options_.shard_group_size == world.size()) return world;
+  hybrid_ = world.split_hybrid(options_.shard_group_size);
+  replica_ = hybrid_.replica->rank();
+  replicas_ = hybrid_.replica->size();
+  return *hybrid_.shard;
 }
 
 // Impl refers to the layouts and options_: it must go before they do.
@@ -540,14 +562,16 @@ GradStats Engine::local_grad_stats(StepResult& result) {
 
 MemoryByCategory Engine::memory() const {
   const detail::BufferPool& p = impl_->pool;
+  const std::size_t replica_workspace = impl_->replica_comm ? impl_->replica_comm->workspace_bytes() : 0;
   return {p.current(kParams), p.current(kGrads),   p.current(kMaster),
-          p.current(kState),  p.current(kEma),     p.current(kBuffers) + impl_->comm.workspace_bytes()};
+          p.current(kState),  p.current(kEma),     p.current(kBuffers) + impl_->comm.workspace_bytes() + replica_workspace};
 }
 
 MemoryByCategory Engine::peak_memory() const {
   const detail::BufferPool& p = impl_->pool;
+  const std::size_t replica_workspace = impl_->replica_comm ? impl_->replica_comm->peak_workspace_bytes() : 0;
   return {p.peak(kParams), p.peak(kGrads), p.peak(kMaster),
-          p.peak(kState),  p.peak(kEma),   p.peak(kBuffers) + impl_->comm.peak_workspace_bytes()};
+          p.peak(kState),  p.peak(kEma),   p.peak(kBuffers) + impl_->comm.peak_workspace_bytes() + replica_workspace};
 }
 
 MemoryByCategory Engine::host_memory() const {

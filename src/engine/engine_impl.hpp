@@ -27,10 +27,12 @@ using detail::kParams;
 using detail::kState;
 
 struct Engine::Impl {
-  Impl(Communicator& c, Backend& b, const FlatLayout& l, const FlatLayout& frozen, const EngineOptions& o);
+  Impl(Communicator& c, Communicator* replicas, Backend& b, const FlatLayout& l, const FlatLayout& frozen,
+       const EngineOptions& o);
   ~Impl();
 
-  Communicator& comm;
+  Communicator& comm;            // the shard group (the world without hybrid sharding)
+  Communicator* replica_comm;    // hybrid sharding: the ranks holding the same shard; else null
   Backend& backend;
   const FlatLayout& layout;         // trainable parameters
   const FlatLayout& frozen_layout;  // frozen ones (no bucket when none)

@@ -15,7 +15,7 @@ void Engine::Impl::issue_reduce(std::size_t b) {
   void* destination;
   if (plan.reduces_in_place()) {
     destination = grads_full + own_offset(b) * g_size;
-  } else if (plan.streams_grads_to_host && world == 1) {
+  } else if (plan.streams_grads_to_host && world == 1 && !replica_comm) {
     // One rank: the average is the gradient itself, copied down straight
     // from the bucket buffer in complete() (no scratch, no collective).
     destination = nullptr;
@@ -31,8 +31,16 @@ void Engine::Impl::issue_reduce(std::size_t b) {
   }
   // The gradients were written on the compute stream.
   order_after(backend.comm_stream(), backend.compute_stream());
-  if (destination)
+  if (destination) {
     entry.work = comm.reduce_scatter(input, destination, bucket.shard_size, gdt, ReduceOp::avg, backend.comm_stream());
+    if (replica_comm) {
+      // Hybrid sharding: the group's average of this shard, averaged across
+      // the replicas that hold the same shard. Device communicators order the
+      // two on the stream; a host one must finish the first before the second reads it.
+      if (comm.memory_kind() == MemoryKind::host) entry.work->wait();
+      entry.work = replica_comm->all_reduce(destination, bucket.shard_size, gdt, ReduceOp::avg, backend.comm_stream());
+    }
+  }
   pending.push_back(std::move(entry));
   // Bound the memory of reductions in flight (their input buffers and the
   // communicator's scratch): complete the oldest beyond the limit.

@@ -23,6 +23,8 @@ void EngineOptions::validate() const {
   ZERO_CHECK(ema.decay >= 0 && ema.decay < 1, "EngineOptions.ema.decay must be in [0, 1) (0 disables), got ",
              ema.decay);
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
+  ZERO_CHECK(shard_group_size >= 0, "EngineOptions.shard_group_size must be >= 0 (0: all ranks), got ",
+             shard_group_size);
   // The offload messages use the trainer's key names (offload_optimizer,
   // offload_params, offload_delayed_update), which users know them by.
   ZERO_CHECK(!offload.optimizer || stage >= 1,

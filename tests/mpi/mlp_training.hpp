@@ -111,6 +111,8 @@ struct Config {
   int group_of(int param) const { return param_group.empty() ? 0 : param_group[static_cast<std::size_t>(param)]; }
   /// Frozen parameters (indices in mlp_units() order): never trained.
   std::vector<int> frozen;
+  /// EngineOptions::shard_group_size (hybrid sharding); 0: flat.
+  int shard_group_size = 0;
   bool is_frozen(int param) const { return std::find(frozen.begin(), frozen.end(), param) != frozen.end(); }
 };
 
@@ -139,6 +141,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.offload.params = c.offload_params;
   o.ema.decay = c.ema_decay;
   o.param_groups = c.groups;
+  o.shard_group_size = c.shard_group_size;
   return o;
 }
 

@@ -92,8 +92,16 @@ class Engine {
   /// The frozen parameters' layout: one bucket per unit (empty ones all
   /// padding), no bucket at all when nothing is frozen. Model-dtype values only.
   const FlatLayout& frozen_layout() const { return frozen_layout_; }
+  /// This rank's place in its shard group and the group's size (the world
+  /// size without hybrid sharding): the layout, the shards and the
+  /// checkpoint files follow them.
   int rank() const { return rank_; }
   int world_size() const { return world_; }
+  /// Hybrid sharding: which replica of the shard group this rank is in, and
+  /// how many there are (0 and 1 without). Replica 0 writes the checkpoint;
+  /// the others hold the same state.
+  int replica() const { return replica_; }
+  int replica_count() const { return replicas_; }
   /// Every parameter, frozen or not, in the order given (the engine's indices).
   const std::vector<ParamSpec>& params() const { return params_; }
   std::size_t param_count() const { return params_.size(); }
@@ -222,6 +230,8 @@ class Engine {
   void* trainable_grad_data(std::size_t t);
   void trainable_grad_ready(std::size_t t);
   Engine(Units units, const EngineOptions& options, Communicator& comm, Backend& backend);
+  /// The collectives' communicator: the shard group's with hybrid sharding, else the world's.
+  Communicator& shard_comm(Communicator& world);
 
   EngineOptions options_;
   std::vector<ParamSpec> params_;
@@ -230,8 +240,11 @@ class Engine {
   std::vector<std::vector<std::size_t>> unit_params_;
   FlatLayout layout_;
   FlatLayout frozen_layout_;
+  HybridGroups hybrid_;  // empty without hybrid sharding
   int rank_ = 0;
   int world_ = 1;
+  int replica_ = 0;
+  int replicas_ = 1;
   int micro_step_ = 0;
   std::int64_t step_ = 0;
   std::int64_t skipped_total_ = 0;

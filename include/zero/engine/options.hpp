@@ -132,6 +132,13 @@ struct EngineOptions {
   /// Steps with non-finite gradients in a row before step() throws (0 = never).
   /// Each such step is skipped and counted either way.
   int max_consecutive_nonfinite = 0;
+  /// Hybrid sharding (HSDP): the world of N ranks is R = N / S replicas of a
+  /// shard group of S consecutive ranks. Gradients, optimizer state and
+  /// (stage 3) parameters are sharded over the S ranks of a group only;
+  /// gradients are reduce-scattered within the group, then each reduced
+  /// shard is averaged across the R replicas. 0 (or N): flat sharding over
+  /// all N ranks. S must divide N.
+  int shard_group_size = 0;
 
   DType effective_grad_dtype() const { return grad_dtype.value_or(param_dtype); }
   /// Groups in use: at least one.

@@ -105,6 +105,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
   options.offload.optimizer = cfg.offload_optimizer;
   options.offload.params = cfg.offload_params;
+  options.shard_group_size = static_cast<int>(cfg.shard_group_size);
   options.offload.delayed_update = cfg.offload_delayed_update;
   options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
   return options;

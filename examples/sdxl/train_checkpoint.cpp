@@ -22,7 +22,13 @@ fs::path checkpoints_root(const TrainConfig& c) { return fs::path(c.output_dir) 
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
                      zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
   const fs::path dir = zero::io::checkpoint_folder(checkpoints_root(c), step);
-  const std::string own = zero::io::rank_file_name(comm.rank());
+  // One file per rank of a shard group (all ranks without hybrid sharding),
+  // written by the first replica: the others hold the same state. Shard
+  // groups are consecutive ranks, so world ranks 0..S-1 are the writers.
+  const zero::Engine& engine = model.engine();
+  const int files = engine.world_size();
+  const bool writes = engine.replica() == 0;
+  const std::string own = zero::io::rank_file_name(engine.rank());
   if (comm.rank() == 0) {
     fs::create_directories(dir);
     std::error_code ec;
@@ -31,9 +37,9 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
   host.barrier();
   std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
   for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
-  model.engine().save_state((dir / own).string(), metadata);
-  // Every rank checksums its own file; rank 0 lists them all in the manifest.
-  std::uint32_t crc = zero::io::file_crc32c(dir / own);
+  if (writes) model.engine().save_state((dir / own).string(), metadata);
+  // Every writer checksums its own file; rank 0 lists them all in the manifest.
+  std::uint32_t crc = writes ? zero::io::file_crc32c(dir / own) : 0;
   std::vector<std::uint32_t> crcs(static_cast<std::size_t>(comm.size()));
   MPI_Request gather = MPI_REQUEST_NULL;
   ZERO_CHECK_MPI(MPI_Igather(&crc, 1, MPI_UINT32_T, crcs.data(), 1, MPI_UINT32_T, 0, host.mpi_comm(), &gather));
@@ -43,11 +49,11 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
     zero::io::CheckpointManifest manifest;
     zero::io::describe_engine(model.engine(), manifest);
     manifest.step = step;
-    manifest.world_size = comm.size();
+    manifest.world_size = files;
     manifest.data_position = sampler.to_metadata();
     manifest.seed = static_cast<std::uint64_t>(c.seed);  // noise and timesteps derive from (seed, step)
     manifest.config = c.to_toml();
-    for (int r = 0; r < comm.size(); ++r) {
+    for (int r = 0; r < files; ++r) {
       const std::string name = zero::io::rank_file_name(r);
       manifest.files.push_back({name, fs::file_size(dir / name), crcs[static_cast<std::size_t>(r)]});
     }
@@ -72,11 +78,12 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   ZERO_CHECK(fs::exists(manifest_path), "resume: ", manifest_path.string(),
              " is missing (an interrupted save, or not a checkpoint folder)");
   const zero::io::CheckpointManifest manifest = zero::io::read_manifest(manifest_path);
-  const int old_world = manifest.world_size;
-  const fs::path shard = dir / zero::io::rank_file_name(std::min(comm.rank(), old_world - 1));
-  if (old_world == comm.size()) {
-    zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(comm.rank()));
-    model.engine().load_state((dir / zero::io::rank_file_name(comm.rank())).string());
+  // Files per shard group then and now (the world size without hybrid sharding).
+  const int old_world = manifest.world_size, now = model.engine().world_size(), own = model.engine().rank();
+  const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
+  if (old_world == now) {
+    zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(own));
+    model.engine().load_state((dir / zero::io::rank_file_name(own)).string());
   } else {
     // Another number of ranks: every rank reads its new slices from the old shards.
     std::vector<std::string> files;
@@ -86,8 +93,8 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
     }
     model.engine().load_state_resharded(files);
     if (comm.rank() == 0)
-      std::printf("resharded the checkpoint from %d to %d ranks (keep the global batch: batch_size x ranks)\n",
-                  old_world, comm.size());
+      std::printf("resharded the checkpoint from %d to %d ranks per shard group (keep the global batch: "
+                  "batch_size x ranks)\n", old_world, now);
   }
   Resumed r;
   r.step = manifest.step;

@@ -63,6 +63,9 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"optimizer", "ema_decay", &c.ema_decay, "EMA of the weights, sharded like the optimizer (0: off)"},
       {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
       {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
+      {"zero", "shard_group_size", &c.shard_group_size,
+       "hybrid sharding (HSDP): shard over groups of this many consecutive ranks (one node), replicate across the "
+       "groups; must divide the number of ranks (0: shard over all ranks)"},
       {"zero", "accumulation_mode", &c.accumulation_mode, "each (reduce every micro-step) or boundary"},
       {"zero", "offload_optimizer", &c.offload_optimizer,
        "keep master weights, optimizer state and EMA in pinned host memory, updated by the CPU (stages 1-3)"},
@@ -280,6 +283,9 @@ void TrainConfig::validate() const {
              max_nonfinite_steps);
   ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "ema_decay must be in [0, 1), got ", ema_decay);
   ZERO_CHECK(stage >= 0 && stage <= 3, "stage must be 0, 1, 2 or 3, got ", stage);
+  ZERO_CHECK(shard_group_size >= 0 && shard_group_size <= (1 << 20),
+             "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",
+             shard_group_size);
   ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);

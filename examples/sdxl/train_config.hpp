@@ -59,6 +59,7 @@ struct TrainConfig {
   double bucket_mib = 32;
   std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
   bool offload_optimizer = false;      // master, optimizer state, EMA in pinned host memory (stages 1-3)
+  std::int64_t shard_group_size = 0;   // hybrid sharding: ranks per shard group (0: all ranks)
   bool offload_params = false;         // stage 3 + offload_optimizer: parameter shards in pinned host memory
   bool offload_delayed_update = false; // offload: the CPU update overlaps the next step (parameters one step stale)
   std::int64_t delayed_update_warmup = 0;  // synchronous updates before the delay starts

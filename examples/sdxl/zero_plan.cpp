@@ -92,6 +92,7 @@ std::size_t parse_count(const std::string& text) {
 struct Options {
   std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
+  int shard_group_size = 0;
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
@@ -109,6 +110,11 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--gpus-per-host", o.gpus_per_host, "ranks sharing one host's memory")
       ->capture_default_str()->check(CLI::Range(1, kMaxGpusPerHost));
   app.add_option("--stage", o.stage, "ZeRO stage 0-3")->capture_default_str()->check(CLI::Range(0, 3));
+  app.add_option("--shard-group-size", o.shard_group_size,
+                 "hybrid sharding: shard over groups of this many consecutive ranks (a node), replicate across "
+                 "them; must divide --world-size (0: all ranks)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--precision", o.precision, "bf16, fp16 or fp32 (parameters and gradients)")
       ->capture_default_str()->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   app.add_option("--optimizer", o.optimizer, "adamw, lion or sgd (with momentum)")
@@ -179,6 +185,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.world_size = o.world_size;
   in.gpus_per_host = o.gpus_per_host;
   in.engine.stage = o.stage;
+  in.engine.shard_group_size = o.shard_group_size;
   in.engine.param_dtype = zero::parse_dtype(o.precision, "--precision");
   in.engine.optimizer.kind = zero::parse_optimizer_kind(o.optimizer, "--optimizer");
   if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default

@@ -150,7 +150,17 @@ Plan make_plan(const PlanInput& input) {
   plan.model_state = engine.memory();
   plan.model_state.buffers = 0;
   plan.host_state = engine.host_memory();
-  run_steps(engine, input, 2);
+  run_steps(engine, input, 1);
+  comm.reset_traffic();  // the second step is the steady state
+  run_steps(engine, input, 1);
+  const SimulatedTraffic& sent = comm.traffic();
+  const int shard_size = engine.world_size();
+  plan.traffic.shard_group_size = shard_size;
+  plan.traffic.within_shard_group =
+      sent.bytes_sent[SimulatedTraffic::world] + sent.bytes_sent[SimulatedTraffic::shard];
+  plan.traffic.across_replicas = sent.bytes_sent[SimulatedTraffic::replica];
+  plan.traffic.shard_group_in_node = shard_size <= input.gpus_per_host;
+  plan.traffic.replicas_in_node = input.world_size <= input.gpus_per_host;
   const TransientMemory transient = engine.transient_memory();
   plan.engine.gathered_units = transient.gathered_units_at_peak;
   plan.engine.bucket_buffers = transient.bucket_buffers_at_peak;
@@ -277,6 +287,11 @@ json plan_json(const Plan& p) {
   j["host_bytes"] = host;
   j["relative_time_per_sample"] = p.relative_time();
   j["label"] = p.label();
+  j["traffic_per_rank_per_step"] = {{"shard_group_size", p.traffic.shard_group_size},
+                                    {"within_shard_group_bytes", p.traffic.within_shard_group},
+                                    {"across_replicas_bytes", p.traffic.across_replicas},
+                                    {"intra_node_bytes", p.traffic.intra_node()},
+                                    {"inter_node_bytes", p.traffic.inter_node()}};
   return j;
 }
 
@@ -325,6 +340,14 @@ std::string Plan::table() const {
   line(out, "ema", host_state.ema * ranks_per_host);
   line(out, in.engine.offload.params ? "staging (grad)" : "staging (grad + param copy)", host_state.buffers * ranks_per_host);
   line(out, "total", host_per_host());
+  char sent[256];
+  std::snprintf(sent, sizeof sent,
+                "\nsent per rank and step (ring collectives, %d GPUs per node): %.2f GB inside a node, %.2f GB "
+                "between nodes\n  (shard groups of %d: %.2f GB; across %d replicas: %.2f GB)\n",
+                in.gpus_per_host, traffic.intra_node() / 1e9, traffic.inter_node() / 1e9, traffic.shard_group_size,
+                traffic.within_shard_group / 1e9, in.world_size / traffic.shard_group_size,
+                traffic.across_replicas / 1e9);
+  out << sent;
   char speed[96];
   std::snprintf(speed, sizeof speed, "\nrelative time per sample: %.2f (1 = stage 0 without checkpointing)\n",
                 relative_time());

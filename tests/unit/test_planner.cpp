@@ -351,3 +351,33 @@ TEST_CASE("fit: the lower estimate of the peak accepts at least what the upper o
     for (const auto& c : lower.candidates) CHECK(c.plan.gpu_peak_lower() <= c.plan.gpu_peak());
   }
 }
+
+// Traffic: what the engine's collectives send per rank and step, counted by
+// the simulated communicator: ring reduce-scatter and all-gather of the padded
+// layout at stage 2 (flat), and with hybrid sharding the same among S ranks
+// plus an all-reduce of each reduced 1/S shard across the R replicas.
+TEST_CASE("plan: traffic per rank and step, flat and hybrid, inside and between nodes") {
+  plan::PlanInput in;
+  in.param_count = 1'000'000;
+  in.world_size = 16;
+  in.gpus_per_host = 8;
+  in.engine.stage = 2;
+  in.engine.param_dtype = DType::bf16;
+  const plan::Plan flat = plan::make_plan(in);
+  const double padded = static_cast<double>(flat.padded_numel);
+  // (N-1)/N of the bf16 gradients reduce-scattered, as much of the parameters gathered.
+  CHECK(flat.traffic.within_shard_group == doctest::Approx(15.0 / 16 * padded * 4));
+  CHECK(flat.traffic.across_replicas == 0);
+  CHECK(flat.traffic.inter_node() == flat.traffic.within_shard_group);  // 16 ranks span two nodes
+  CHECK(flat.traffic.intra_node() == 0);
+  in.engine.shard_group_size = 8;
+  const plan::Plan hybrid = plan::make_plan(in);
+  const double hpadded = static_cast<double>(hybrid.padded_numel);
+  CHECK(hybrid.traffic.shard_group_size == 8);
+  CHECK(hybrid.traffic.within_shard_group == doctest::Approx(7.0 / 8 * hpadded * 4));
+  CHECK(hybrid.traffic.across_replicas == doctest::Approx(2 * 0.5 * hpadded / 8 * 2));
+  CHECK(hybrid.traffic.intra_node() == hybrid.traffic.within_shard_group);
+  CHECK(hybrid.traffic.inter_node() == hybrid.traffic.across_replicas);
+  // And its model state is that of a world of 8.
+  CHECK(hybrid.model_state.master == model_state_bytes(in.engine, hybrid.padded_numel, 8).master);
+}

@@ -4,12 +4,24 @@
 // data is ever read or written.
 #pragma once
 
+#include <array>
 #include <memory>
 
 #include "zero/comm/communicator.hpp"
 #include "zero/core/error.hpp"
 
 namespace zero {
+
+/// Bytes one rank sends per collective under the ring algorithms NCCL uses
+/// (reduce-scatter and all-gather: (n-1) slices; all-reduce: 2 (n-1)/n of
+/// the buffer), summed by the communicator that carried them: the world's
+/// (flat), a shard group's or a replica group's (hybrid sharding). Shared by
+/// a simulated communicator and the groups split from it.
+struct SimulatedTraffic {
+  enum Group { world, shard, replica };
+  std::array<double, 3> bytes_sent{};
+  void reset() { bytes_sent = {}; }
+};
 
 class SimulatedCommunicator final : public Communicator {
  public:
@@ -25,10 +37,21 @@ class SimulatedCommunicator final : public Communicator {
   MemoryKind memory_kind() const override { return kind_; }
   std::string backend_name() const override { return "simulated"; }
 
-  WorkPtr reduce_scatter(const void*, void*, std::size_t, DType, ReduceOp, Stream) override { return done(); }
-  WorkPtr all_gather(const void*, void*, std::size_t, DType, Stream) override { return done(); }
-  WorkPtr all_reduce(void*, std::size_t, DType, ReduceOp, Stream) override { return done(); }
-  WorkPtr broadcast(void*, std::size_t, DType, int, Stream) override { return done(); }
+  WorkPtr reduce_scatter(const void*, void*, std::size_t count, DType dtype, ReduceOp, Stream) override {
+    return sent(static_cast<double>(size_ - 1) * static_cast<double>(count * size_of(dtype)));
+  }
+  WorkPtr all_gather(const void*, void*, std::size_t count, DType dtype, Stream) override {
+    return sent(static_cast<double>(size_ - 1) * static_cast<double>(count * size_of(dtype)));
+  }
+  WorkPtr all_reduce(void*, std::size_t count, DType dtype, ReduceOp, Stream) override {
+    return sent(2.0 * (size_ - 1) / size_ * static_cast<double>(count * size_of(dtype)));
+  }
+  WorkPtr broadcast(void*, std::size_t count, DType dtype, int, Stream) override {
+    return sent(size_ > 1 ? static_cast<double>(count * size_of(dtype)) : 0.0);
+  }
+  /// What this communicator and the groups split from it have sent (this rank).
+  const SimulatedTraffic& traffic() const { return *traffic_; }
+  void reset_traffic() { traffic_->reset(); }
   void barrier() override {}
   /// Every rank is taken to hold the same values: min and max leave them,
   /// and so does a sum (the engine's agreement checks pass).
@@ -53,14 +76,22 @@ class SimulatedCommunicator final : public Communicator {
     for (SimulatedCommunicator* group : {shard.get(), replica.get()}) {
       group->local_rank_ = local_rank_;
       group->local_size_ = local_size_;
+      group->traffic_ = traffic_;
     }
+    shard->group_ = SimulatedTraffic::shard;
+    replica->group_ = SimulatedTraffic::replica;
     return {std::move(shard), std::move(replica)};
   }
 
  private:
-  static WorkPtr done() { return std::make_unique<CompletedWork>(); }
+  WorkPtr sent(double bytes) {
+    traffic_->bytes_sent[group_] += bytes;
+    return std::make_unique<CompletedWork>();
+  }
   int size_, rank_, local_rank_, local_size_;
   MemoryKind kind_;
+  std::shared_ptr<SimulatedTraffic> traffic_ = std::make_shared<SimulatedTraffic>();
+  SimulatedTraffic::Group group_ = SimulatedTraffic::world;
 };
 
 }  // namespace zero

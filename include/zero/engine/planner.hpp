@@ -131,12 +131,33 @@ struct EngineBuffers {
   std::size_t at_step_end = 0;
 };
 
+/// What one rank sends in one training step, from the collectives the engine
+/// issues (ring algorithms: a reduce-scatter or all-gather of n ranks sends
+/// n-1 slices, an all-reduce 2 (n-1)/n of its buffer). Shard groups and the
+/// world are taken as consecutive ranks, gpus_per_host of them per node.
+struct Traffic {
+  int shard_group_size = 1;          // S (N when flat)
+  double within_shard_group = 0;     // gathers and reduce-scatters among the S
+  double across_replicas = 0;        // hybrid: the reduced shards averaged across the R copies
+  bool shard_group_in_node = true;   // S <= gpus_per_host
+  bool replicas_in_node = true;      // N <= gpus_per_host
+  double intra_node() const {
+    return (shard_group_in_node ? within_shard_group : 0) + (replicas_in_node ? across_replicas : 0);
+  }
+  /// Bytes through the links between nodes: a ring that spans nodes sends
+  /// every one of its hops' bytes over them at the pace of the slowest.
+  double inter_node() const {
+    return (shard_group_in_node ? 0 : within_shard_group) + (replicas_in_node ? 0 : across_replicas);
+  }
+};
+
 struct Plan {
   PlanInput input;
   std::size_t padded_numel = 0;
   std::size_t unit_count = 0;
   std::size_t largest_unit_elements = 0;  // padded
   int ranks_per_host = 1;
+  Traffic traffic;  // per rank, one step (the second: steady state)
 
   // ---- per GPU
   MemoryByCategory model_state;  // model_state_bytes (buffers = 0)

@@ -307,10 +307,15 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
     return outputs;
   }
   gather(u, Pass::forward, /*recomputed=*/false);
-  if (!engine_->plan().gathers_units) return body(inputs);
-  variable_list outputs = units_[u].trainable == 0 && torch::GradMode::is_enabled()
-                              ? body(ReleaseAfterBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(inputs)))
-                              : body(inputs);
+  // The identity goes in at every stage (releasing nothing below stage 3):
+  // it changes the order in which autograd sums the inputs' gradients, and
+  // every stage must sum in the same order to give the same bits.
+  const variable_list unit_inputs =
+      units_[u].trainable == 0 && torch::GradMode::is_enabled()
+          ? ReleaseAfterBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(inputs))
+          : inputs;
+  if (!engine_->plan().gathers_units) return body(unit_inputs);
+  variable_list outputs = body(unit_inputs);
   if (torch::GradMode::is_enabled())
     outputs = GatherBeforeBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(outputs));
   release(u);

@@ -37,10 +37,10 @@
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
 #include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
-#include "train_groups.hpp"             // parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
+#include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
 #include "unet.hpp"                     // UNet2DConditionModel
-#include "unet_io.hpp"                  // read_unet_config, load_unet_weights
+#include "unet_io.hpp"                  // read_unet_config
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/memory_model.hpp"
 #include "zero/torch/sharded_model.hpp"
@@ -120,9 +120,7 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   const bool leader = host_comm.rank() == 0;
   ModelOnEngine m;
   m.config = resolve_model_config(cfg.model_config);
-  torch::manual_seed(static_cast<std::uint64_t>(cfg.seed));  // the same initial weights on every rank
-  m.unet = UNet2DConditionModel(m.config);
-  if (!cfg.model_weights.empty()) load_unet_weights(*m.unet, cfg.model_weights);
+  m.unet = starting_unet(cfg, m.config);  // the same initial weights on every rank
   std::vector<zero::adapter::UnitSpec> units;
   std::vector<std::string> names;
   std::vector<std::int64_t> numels;
@@ -133,12 +131,23 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
       numels.push_back(t.numel());
     }
   }
+  // [model] freeze: ShardedModel treats a parameter that does not require
+  // grad as frozen (values only, never changed), so the flag is all it takes.
+  const std::vector<bool> frozen = frozen_parameters(cfg, names);
+  std::size_t next = 0;  // units list the parameters in the order of names
+  for (zero::adapter::UnitSpec& u : units)
+    for (auto& [n, t] : u.params)
+      if (frozen[next++]) t.requires_grad_(false);
   zero::EngineOptions options = engine_options(cfg);
-  const ParamGrouping grouping = group_parameters(cfg, names);
+  const ParamGrouping grouping = group_parameters(cfg, names, frozen);
   options.param_groups = grouping.groups;
-  if (leader) std::printf("%s", describe_grouping(grouping, options.optimizer, numels).c_str());
+  if (leader)
+    std::printf("%s%s", describe_freeze(cfg, frozen, numels).c_str(),
+                describe_grouping(grouping, options.optimizer, numels).c_str());
+  // A frozen parameter's group is never used (the engine reads groups of
+  // trained parameters only); 0 keeps it a valid index.
   std::map<std::string, int> group_by_name;
-  for (std::size_t i = 0; i < names.size(); ++i) group_by_name[names[i]] = grouping.group_of[i];
+  for (std::size_t i = 0; i < names.size(); ++i) group_by_name[names[i]] = std::max(grouping.group_of[i], 0);
   // The memory planner's view of the run (its constants are calibrated for
   // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
   const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
@@ -162,9 +171,12 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
 
 void describe_model(const TrainConfig& cfg, const ModelOnEngine& m) {
   const zero::Engine& engine = m.sharded->engine();
-  std::printf("UNet: %zu parameters in %zu units; stage %lld; model state per rank: %s\n",
-              engine.layout().param_numel(), m.sharded->unit_count(), static_cast<long long>(cfg.stage),
-              zero::format_memory(engine.memory()).c_str());
+  // layout() holds the trained parameters only; frozen ones have their own.
+  const std::size_t frozen = engine.frozen_layout().param_numel();
+  const std::string frozen_note = frozen == 0 ? "" : " (" + std::to_string(frozen) + " more frozen)";
+  std::printf("UNet: %zu parameters trained%s in %zu units; stage %lld; model state per rank: %s\n",
+              engine.layout().param_numel(), frozen_note.c_str(), m.sharded->unit_count(),
+              static_cast<long long>(cfg.stage), zero::format_memory(engine.memory()).c_str());
   if (cfg.offload_optimizer)
     std::printf("optimizer offloaded: pinned host memory per rank: %s\n",
                 zero::format_memory(engine.host_memory()).c_str());
@@ -225,13 +237,19 @@ void prepare_gradients(const TrainConfig& cfg, ModelOnEngine& m, GradientFaults&
   if (host_comm.rank() == 0)
     std::printf("fault injection: NaN gradient on rank %d at steps %lld-%lld\n", fault.rank,
                 static_cast<long long>(fault.first), static_cast<long long>(fault.last));
-  if (host_comm.rank() == fault.rank)
-    m.unet->units().front().parameters.front().second.register_hook([&poison = faults.poison_this_step](torch::Tensor grad) {
-      if (!poison) return grad;
-      grad = grad.clone();
-      grad.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
-      return grad;
-    });
+  if (host_comm.rank() != fault.rank) return;
+  // The first parameter that gets a gradient: a frozen one has none to poison.
+  for (const ParameterUnit& u : m.unet->units())
+    for (const auto& [name, tensor] : u.parameters) {
+      if (!tensor.requires_grad()) continue;
+      tensor.register_hook([&poison = faults.poison_this_step](torch::Tensor grad) {
+        if (!poison) return grad;
+        grad = grad.clone();
+        grad.view({-1})[0] = std::numeric_limits<float>::quiet_NaN();
+        return grad;
+      });
+      return;
+    }
 }
 
 // ------------------------------------------------------------------ data
@@ -529,9 +547,11 @@ void export_trained_model(Run& run) {
   const TrainConfig& cfg = run.cfg;
   write_export_check(cfg, run.model.unet, run.data.text, run.runtime.device(), run.model.compute_type, run.leader);
   zero::Engine& engine = run.sharded().engine();
-  const auto weights = engine.gather_master_params();
-  const auto ema = cfg.ema_decay > 0 ? engine.gather_ema_params() : std::vector<std::vector<float>>{};
+  auto weights = engine.gather_master_params();
+  auto ema = cfg.ema_decay > 0 ? engine.gather_ema_params() : std::vector<std::vector<float>>{};
   if (!run.leader) return;
+  // Frozen tensors as they were loaded, not rounded to the model dtype.
+  use_exact_frozen_values(cfg, run.model.config, engine, {&weights, &ema});
   export_weights(cfg, run.model.config, weights, fs::path(cfg.output_dir) / "unet", run.model.parameter_names);
   if (!ema.empty())
     export_weights(cfg, run.model.config, ema, fs::path(cfg.output_dir) / "unet_ema", run.model.parameter_names);

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "zero/checkpoint/checkpoint.hpp"
+#include "zero/engine/engine_state.hpp"
 #include "zero/io/crc32c.hpp"
 #include "zero/io/safetensors.hpp"
 
@@ -17,6 +20,33 @@ namespace fs = std::filesystem;
 
 namespace {
 fs::path checkpoints_root(const TrainConfig& c) { return fs::path(c.output_dir) / "checkpoints"; }
+
+// A checkpoint holds no master weights or optimizer state for the parameters
+// it froze, and only model-dtype values of those, so the engine refuses one
+// whose frozen set differs ("belongs to another model"). Said first here in
+// the config's terms: which parameter, and the two [model] freeze lists.
+void check_same_freeze(const TrainConfig& c, const zero::Engine& engine, const fs::path& shard,
+                       const zero::io::CheckpointManifest& manifest) {
+  const zero::SavedShard saved = zero::read_saved_shard(zero::io::SafeTensorsFile::open(shard));
+  std::vector<std::string> theirs, ours;
+  for (const zero::ParamSpec& p : saved.frozen_layout.params()) theirs.push_back(p.name);
+  for (std::size_t p = 0; p < engine.param_count(); ++p)
+    if (engine.frozen(p)) ours.push_back(engine.params()[p].name);
+  std::sort(theirs.begin(), theirs.end());
+  std::sort(ours.begin(), ours.end());
+  if (theirs == ours) return;
+  std::vector<std::string> only_theirs, only_ours;
+  std::set_difference(theirs.begin(), theirs.end(), ours.begin(), ours.end(), std::back_inserter(only_theirs));
+  std::set_difference(ours.begin(), ours.end(), theirs.begin(), theirs.end(), std::back_inserter(only_ours));
+  const std::optional<std::vector<std::string>> saved_patterns = saved_freeze(manifest.config);
+  const std::string example = !only_theirs.empty() ? "'" + only_theirs.front() + "' was frozen there and is trained here"
+                                                   : "'" + only_ours.front() + "' was trained there and is frozen here";
+  ZERO_THROW(zero::InvalidArgument, "resume: ", shard.parent_path().string(), " was saved by a run that froze ",
+             theirs.size(), " parameters ([model] freeze = ",
+             saved_patterns ? pattern_list(*saved_patterns) : std::string("? (its saved configuration does not say)"),
+             "), this run freezes ", ours.size(), " ([model] freeze = ", pattern_list(c.freeze), "); ", example, " (",
+             only_theirs.size() + only_ours.size(), " differ). Resume with the [model] freeze of the run that saved.");
+}
 }  // namespace
 
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
@@ -83,6 +113,7 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
   if (old_world == now) {
     zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(own));
+    check_same_freeze(c, model.engine(), shard, manifest);
     model.engine().load_state((dir / zero::io::rank_file_name(own)).string());
   } else {
     // Another number of ranks: every rank reads its new slices from the old shards.
@@ -91,6 +122,7 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
       zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(r));
       files.push_back((dir / zero::io::rank_file_name(r)).string());
     }
+    check_same_freeze(c, model.engine(), shard, manifest);
     model.engine().load_state_resharded(files);
     if (comm.rank() == 0)
       std::printf("resharded the checkpoint from %d to %d ranks per shard group (keep the global batch: "

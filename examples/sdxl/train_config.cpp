@@ -224,6 +224,10 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
                "' must be a table ([model], [data], [train], [optimizer], [zero], [output], [device])");
     for (const auto& [key_node, value] : *entries) {
       const std::string key(key_node.str());
+      if (table == "model" && key == "freeze") {
+        config.freeze = string_list(value, origin + ": [model] freeze");
+        continue;
+      }
       if (table == "optimizer" && key == "no_weight_decay") {
         config.no_weight_decay = string_list(value, origin + ": [optimizer] no_weight_decay");
         continue;
@@ -239,6 +243,8 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
         std::string hint;
         for (const Option& o : options)
           if (key == o.key) hint = std::string(" (it belongs in [") + o.table + "])";
+        if (key == "freeze") hint = " (it belongs in [model])";
+        if (key == "no_weight_decay" || key == "groups") hint = " (it belongs in [optimizer])";
         ZERO_THROW(zero::InvalidArgument, origin, ": unknown key '", table, ".", key, "'", hint);
       }
       set_from_toml(*match, value, origin);
@@ -327,16 +333,12 @@ std::string TrainConfig::to_toml() const {
   TrainConfig copy = *this;
   std::ostringstream out;
   std::string table;
-  auto patterns = [](const std::vector<std::string>& list) {
-    toml::array array;
-    for (const std::string& p : list) array.push_back(p);
-    std::ostringstream text;
-    text << array;
-    return text.str();
-  };
+  // The pattern lists are not in the option table (they are not scalars):
+  // each goes at the end of its table.
   auto close_table = [&] {
+    if (table == "model" && !freeze.empty()) out << "freeze = " << pattern_list(freeze) << "\n";
     if (table == "optimizer" && !no_weight_decay.empty())
-      out << "no_weight_decay = " << patterns(no_weight_decay) << "\n";
+      out << "no_weight_decay = " << pattern_list(no_weight_decay) << "\n";
   };
   for (const Option& o : options_of(copy)) {
     if (table != o.table) {
@@ -348,11 +350,35 @@ std::string TrainConfig::to_toml() const {
   }
   close_table();
   for (const OptimizerGroup& g : optimizer_groups) {
-    out << "\n[[optimizer.groups]]\nname = " << toml::value<std::string>(g.name) << "\nparams = " << patterns(g.params)
+    out << "\n[[optimizer.groups]]\nname = " << toml::value<std::string>(g.name) << "\nparams = " << pattern_list(g.params)
         << "\nlr_scale = " << g.lr_scale << "\n";
     if (g.weight_decay) out << "weight_decay = " << *g.weight_decay << "\n";
   }
   return out.str();
+}
+
+std::string pattern_list(const std::vector<std::string>& patterns) {
+  toml::array array;
+  for (const std::string& p : patterns) array.push_back(p);
+  std::ostringstream text;
+  text << array;
+  return text.str();
+}
+
+std::optional<std::vector<std::string>> saved_freeze(const std::string& config_toml) {
+  toml::table root;
+  try {
+    root = toml::parse(config_toml, std::string_view("saved configuration"));
+  } catch (const toml::parse_error&) {
+    return std::nullopt;
+  }
+  const toml::node* node = root.at_path("model.freeze").node();
+  if (node == nullptr) return std::vector<std::string>{};
+  try {
+    return string_list(*node, "saved [model] freeze");
+  } catch (const zero::InvalidArgument&) {
+    return std::nullopt;
+  }
 }
 
 TrainConfig train_config_from_toml(const std::string& text, const std::string& origin) {
@@ -386,6 +412,14 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
                                       : std::holds_alternative<double*>(o.field)     ? "NUMBER"
                                                                                       : "INT"));
   }
+  // [model] freeze on the command line: one pattern per --freeze, the
+  // whole list replacing the file's; --freeze "" freezes nothing.
+  std::vector<std::string> freeze_patterns;
+  CLI::Option* freeze_option =
+      app.add_option("--freeze", freeze_patterns,
+                     "glob pattern of parameters to freeze (diffusers names; repeat for several); replaces [model] "
+                     "freeze; --freeze \"\" freezes none [model] (default: [])")
+          ->type_name("PATTERN");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -408,6 +442,11 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
   auto options = options_of(config);
   for (std::size_t i = 0; i < options.size(); ++i)
     if (handles[i]->count() > 0) set_from_text(options[i], overrides[i]);
+  if (freeze_option->count() > 0) {
+    config.freeze.clear();
+    for (const std::string& p : freeze_patterns)
+      if (!p.empty()) config.freeze.push_back(p);
+  }
   config.validate();
   return true;
 }

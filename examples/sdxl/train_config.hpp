@@ -16,6 +16,11 @@ struct TrainConfig {
   // [model]
   std::string model_config = "tiny";   // "tiny", "sdxl-base", or a diffusers config.json / model folder
   std::string model_weights;           // safetensors / diffusers folder / single file; empty: random init
+  /// [model] freeze = ["down_blocks.*", "conv_in.*"]: parameters (glob
+  /// patterns on diffusers names) that keep their starting values; the
+  /// engine holds only their model-dtype values (no gradient, master weights,
+  /// optimizer state or EMA). `--freeze PATTERN` (repeatable) replaces the list.
+  std::vector<std::string> freeze;
   // [data]
   std::string dataset;                 // cached dataset folder (docs/dataset.md); empty with synthetic
   bool synthetic = false;
@@ -95,5 +100,13 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config);
 
 /// Parses TOML text (for tests); `origin` names it in errors.
 TrainConfig train_config_from_toml(const std::string& text, const std::string& origin);
+
+/// [model] freeze of a configuration saved by to_toml() (a checkpoint's
+/// manifest): empty when it has none, nullopt when the text does not parse
+/// or the key is not a list of strings (only used to explain a refused resume).
+std::optional<std::vector<std::string>> saved_freeze(const std::string& config_toml);
+
+/// Patterns as a TOML array (toml++ writes [ 'a', 'b' ]), for messages and to_toml().
+std::string pattern_list(const std::vector<std::string>& patterns);
 
 }  // namespace sdxl

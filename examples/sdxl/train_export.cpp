@@ -1,6 +1,7 @@
 #include "train_export.hpp"
 
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <optional>
 
@@ -11,6 +12,54 @@
 namespace sdxl {
 
 namespace fs = std::filesystem;
+
+UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg) {
+  // Strict loading overwrites every parameter: only a run without weights
+  // needs the initialisation (SDXL's takes seconds).
+  const bool load = !c.model_weights.empty();
+  torch::manual_seed(static_cast<std::uint64_t>(c.seed));  // the same initial weights on every rank, and at export
+  UNet2DConditionModel unet(ucfg, UNetBuildOptions{.initialize = !load});
+  if (load) load_unet_weights(*unet, c.model_weights);
+  return unet;
+}
+
+void use_exact_frozen_values(const TrainConfig& c, const UNetConfig& ucfg, const zero::Engine& engine,
+                             const std::vector<std::vector<std::vector<float>>*>& exports) {
+  const zero::DType dtype = engine.options().param_dtype;
+  if (engine.frozen_count() == 0 || dtype == zero::DType::fp32) return;
+  // Built again here rather than kept from the start: a copy of the frozen
+  // fp32 values held through the run would cost 4 bytes of host memory per
+  // frozen element on every rank (gigabytes for SDXL); this costs one more
+  // model on rank 0 for the moment of the export.
+  std::map<std::string, torch::Tensor> start;
+  {
+    UNet2DConditionModel unet = starting_unet(c, ucfg);
+    for (auto& item : unet->named_parameters()) start[item.key()] = item.value().detach().contiguous();
+  }
+  const std::string source = c.model_weights.empty() ? "the initialisation from seed " + std::to_string(c.seed)
+                                                      : "model_weights '" + c.model_weights + "'";
+  const std::vector<zero::ParamSpec>& params = engine.params();
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (!engine.frozen(p)) continue;
+    const torch::Tensor& exact = start.at(params[p].name);
+    ZERO_CHECK(static_cast<std::size_t>(exact.numel()) == params[p].numel, "export: frozen parameter '", params[p].name,
+               "' has ", params[p].numel, " elements in the engine, ", exact.numel(), " in ", source);
+    const float* values = exact.data_ptr<float>();
+    for (std::vector<std::vector<float>>* out : exports) {
+      if (out->empty()) continue;  // no EMA
+      std::vector<float>& held = (*out)[p];
+      for (std::size_t i = 0; i < held.size(); ++i) {
+        const float rounded = zero::round_to(dtype, values[i]);
+        if (std::memcmp(&rounded, &held[i], sizeof(float)) != 0)
+          ZERO_THROW(zero::Error, "export: frozen parameter '", params[p].name, "' element ", i, " is ", held[i],
+                     " in the engine but ", values[i], " (", rounded, " in ", zero::name_of(dtype), ") in ", source,
+                     ": the weights the run started from changed (resume with the [model] model_weights and [train] "
+                     "seed of the run that saved the checkpoint to export again)");
+      }
+      std::memcpy(held.data(), values, held.size() * sizeof(float));
+    }
+  }
+}
 
 void write_export_check(const TrainConfig& c, UNet2DConditionModel& model, const data::TextDims& text,
                         torch::Device device, torch::ScalarType compute_type, bool leader) {

@@ -12,8 +12,27 @@
 #include "data/dataset.hpp"
 #include "train_config.hpp"
 #include "unet.hpp"
+#include "zero/engine/engine.hpp"
 
 namespace sdxl {
+
+/// The UNet a run starts from: PyTorch's initialisation drawn from [train]
+/// seed, then (when set) the weights of [model] model_weights, in fp32 on the
+/// host. The trainer hands it to the engine; the export builds it again for
+/// the exact values of frozen parameters (exact_frozen_values).
+UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg);
+
+/// Frozen parameters keep their starting values, but the engine holds only
+/// their rounding to the model dtype (bf16, fp16), which is what
+/// Engine::gather_*_params returns for them. For each of `exports` (engine
+/// order, as those return it) this puts back the exact starting values of
+/// every frozen parameter, so that an exported UNet's frozen tensors equal
+/// model_weights bit for bit. Throws zero::Error naming the parameter when a
+/// starting value does not round to what the engine holds (model_weights or
+/// the seed changed since the run that saved the checkpoint started).
+/// With an fp32 model nothing is rounded and nothing is done.
+void use_exact_frozen_values(const TrainConfig& c, const UNetConfig& ucfg, const zero::Engine& engine,
+                             const std::vector<std::vector<std::vector<float>>*>& exports);
 
 /// The trained model's prediction on fixed inputs (seed 7), which rank 0
 /// writes to output_dir/export_check.safetensors next to the export, so that

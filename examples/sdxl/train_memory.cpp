@@ -69,10 +69,14 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
       if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
     }
   }
+  // The planner's units have no frozen parameters: it counts gradients,
+  // master weights and optimizer state for them too, so with [model] freeze
+  // its figures (and the max_gpu_memory check on them) err on the high side.
   if (leader)
-    std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
+    std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank%s\n",
                 zero::format_bytes(run_plan.gpu_peak_lower()).c_str(), zero::format_bytes(run_plan.gpu_peak()).c_str(),
-                zero::format_bytes(run_plan.host_per_rank()).c_str());
+                zero::format_bytes(run_plan.host_per_rank()).c_str(),
+                c.freeze.empty() ? "" : " (frozen parameters counted as trained: an upper bound)");
   if (cap > 0) check_plan_fits(c, cap, run_plan);
   return run_plan;
 }

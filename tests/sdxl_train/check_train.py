@@ -24,7 +24,19 @@
    naming them.
 7. Hybrid sharding (--shard_group_size 2 at N = 4): losses within 1e-5 of flat
    N = 4; its checkpoint has one file per shard rank and resumes flat.
+8. Frozen parameters ([model] freeze), starting from the fixture's weights
+   with the down blocks and conv_in frozen: the freeze is printed; at stage 3
+   (fp32; stage 2 trains the same trajectory bit for bit) and stage 2
+   (bf16) the exported UNet and EMA UNet hold the frozen
+   tensors equal to the weights file bit for bit (bf16: not the engine's
+   rounded values) and every trained tensor changed; the fp32 export
+   reproduces the model; resuming from a mid-run checkpoint continues
+   bitwise, and with another freeze set (or none) is refused naming
+   [model] freeze; model_weights changed between a checkpoint and the
+   export is refused; a pattern matching nothing, freezing everything and a
+   group matching only frozen parameters are refused, naming them.
 """
+import fnmatch
 import json
 import math
 import os
@@ -282,6 +294,167 @@ check(len(files) == 2, f"a hybrid 2 x 2 checkpoint holds one file per shard rank
 resumed = resume("np4-hybrid-resume", 4, "--stage", "2", "--resume", "latest")
 gap = max(abs(resumed[s] - hybrid[s]) / abs(hybrid[s]) for s in range(16, STEPS + 1))
 check(gap <= 1e-5, f"a hybrid checkpoint resumes flat at N = 4: steps 16-30 within 1e-5 of the hybrid run ({gap:.2e})")
+
+# 8. Frozen parameters, from the fixture's weights (the trainer's tiny UNet).
+WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "sdxl",
+                       "tiny_a_weights.safetensors")
+FREEZE = ["down_blocks.*", "conv_in.*"]
+FROZEN_STEPS = 10
+
+
+def read_raw(path):
+    """name -> (dtype, shape, bytes) of every tensor in a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        body = f.read()
+    return {name: (info["dtype"], info["shape"], body[info["data_offsets"][0]:info["data_offsets"][1]])
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def frozen_run(name, config_path, *overrides, steps=FROZEN_STEPS, ranks=2):
+    out = os.path.join(WORK, name)
+    shutil.rmtree(out, ignore_errors=True)
+    defaults = [] if "--checkpoint_every" in overrides else ["--checkpoint_every", "0"]
+    cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, TRAIN, "--config", config_path, "--output_dir", out,
+           "--steps", str(steps), "--synthetic_samples", "128", "--log_every", "5", *defaults, *overrides]
+    start = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(f"  ran {' '.join(cmd[3 + len(MPI_FLAGS):])} in {time.time() - start:.1f} s (exit {result.returncode})")
+    return result.returncode, result.stdout + result.stderr, out
+
+
+text = open(CONFIG).read()
+text = text.replace("[model]\n", f'[model]\nmodel_weights = "{WEIGHTS}"\nfreeze = {json.dumps(FREEZE)}\n', 1)
+frozen_config = os.path.join(WORK, "frozen.toml")
+with open(frozen_config, "w") as f:
+    f.write(text)
+start_weights = read_raw(WEIGHTS)
+frozen_names = {n for n in start_weights if any(fnmatch.fnmatchcase(n, p) for p in FREEZE)}
+frozen_elements = sum(math.prod(start_weights[n][1]) for n in frozen_names)
+print(f"  freezing {len(frozen_names)} of {len(start_weights)} tensors, {frozen_elements} elements")
+
+
+def check_frozen_export(out, label):
+    """Frozen tensors equal the weights file bit for bit, trained ones changed (UNet and EMA UNet)."""
+    for folder in ("unet", "unet_ema"):
+        path = os.path.join(out, folder, "diffusion_pytorch_model.safetensors")
+        if not os.path.exists(path):
+            check(False, f"{label}: {folder} exported")
+            continue
+        got = read_raw(path)
+        check(set(got) == set(start_weights), f"{label}: {folder} has the weights file's tensors")
+        same = [n for n in frozen_names if got.get(n) == start_weights[n]]
+        check(len(same) == len(frozen_names),
+              f"{label}: {folder}: the {len(frozen_names)} frozen tensors equal --model_weights bit for bit "
+              f"({len(frozen_names) - len(same)} differ)")
+        unchanged = [n for n in set(start_weights) - frozen_names if got.get(n) == start_weights[n]]
+        check(not unchanged, f"{label}: {folder}: every trained tensor changed (unchanged: {unchanged[:3]})")
+
+
+# Stage 3, fp32, with a checkpoint halfway to resume from below.
+code, output, out3 = frozen_run("frozen-stage3", frozen_config, "--stage", "3", "--checkpoint_every", "5")
+if code != 0:
+    print(output[-3000:])
+check(code == 0 and f"{len(frozen_names)} of {len(start_weights)} tensors, {frozen_elements} of" in output,
+      "frozen: the freeze (tensors and elements) is printed at start")
+if code == 0:
+    fz = losses(out3)
+    check(sorted(fz) == list(range(1, FROZEN_STEPS + 1)) and all(math.isfinite(v) for v in fz.values()),
+          "frozen, stage 3: every step logged with a finite loss")
+    first, last = (fz[1] + fz[2]) / 2, (fz[FROZEN_STEPS - 1] + fz[FROZEN_STEPS]) / 2
+    check(last < first, f"frozen, stage 3: the loss falls ({first:.4f} -> {last:.4f})")
+    check_frozen_export(out3, "frozen, stage 3")
+    check_file = os.path.join(out3, "export_check.safetensors")
+    result = subprocess.run([UNET_FORWARD, "--model", os.path.join(out3, "unet"), "--inputs", check_file, "--output",
+                             os.path.join(WORK, "frozen_output.safetensors")], capture_output=True, text=True)
+    if result.returncode == 0:
+        got = read_f32(os.path.join(WORK, "frozen_output.safetensors"), "sample")
+        want = read_f32(check_file, "expected")
+        error = math.sqrt(sum((g - w) ** 2 for g, w in zip(got, want)) / sum(w * w for w in want))
+        check(error <= 1e-5, f"frozen, stage 3: the export reproduces the trained model (rel. L2 {error:.2e})")
+    else:
+        check(False, "frozen: unet_forward loads the exported UNet: " + result.stderr[-300:])
+
+    # Stage 2 keeps the frozen values whole on every rank, stage 3 shards them
+    # and gathers them with their unit: the same bits (the adapter puts the
+    # same autograd nodes around a unit with nothing to train at every stage,
+    # so the gradients of its inputs are summed in one order).
+    code, output, out2 = frozen_run("frozen-stage2", frozen_config, "--stage", "2", "--export_unet", "false")
+    if code == 0:
+        f2 = losses(out2)
+        worst = max(abs(f2[s] - fz[s]) / abs(fz[s]) for s in fz)
+        check(f2 == fz, f"frozen: stage 2 trains the stage-3 trajectory bit for bit (largest gap {worst:.2e})")
+    else:
+        check(False, "frozen: stage 2 trains: " + output[-1000:])
+
+    # Resumed from step 5 with the same freeze: steps 6-10 as uninterrupted.
+    halfway = os.path.join(out3, "checkpoints", "step-00000005")
+    code, output, out_r = frozen_run("frozen-resumed", frozen_config, "--stage", "3", "--resume", halfway)
+    if code != 0:
+        print(output[-3000:])
+    check(code == 0 and all(losses(out_r).get(s) == fz[s] for s in range(6, FROZEN_STEPS + 1)),
+          "frozen: resumed from step 5 with the same freeze, steps 6-10 equal the uninterrupted run bit for bit")
+    # Another freeze set ("--freeze" replaces the file's list): refused, naming the key and a parameter.
+    code, output, _ = frozen_run("frozen-resume-other", frozen_config, "--stage", "3", "--resume", halfway,
+                                 "--freeze", "down_blocks.*")
+    check(code != 0 and "[model] freeze" in output and "'conv_in.bias' was frozen there and is trained here" in output
+          and f"froze {len(frozen_names)} parameters" in output,
+          "frozen: resuming with another freeze set is refused, naming [model] freeze and a parameter")
+    code, output, _ = frozen_run("frozen-resume-none", frozen_config, "--stage", "3", "--resume", halfway,
+                                 "--freeze", "")
+    check(code != 0 and "this run freezes 0 ([model] freeze = [])" in output,
+          "frozen: resuming without the freeze is refused, naming [model] freeze")
+# A checkpoint saved without freeze (section 4) does not resume with one.
+code, output, _ = frozen_run("unfrozen-resume-frozen", CONFIG, "--stage", "2", "--freeze", "conv_in.*", "--resume",
+                             os.path.join(WORK, "resumed", "checkpoints", "step-00000015"))
+check(code != 0 and "that froze 0 parameters" in output and "'conv_in.bias' was trained there and is frozen here" in output,
+      "frozen: a checkpoint without frozen parameters does not resume with some, naming the parameter")
+
+# Stage 2 in bf16: the engine holds the frozen tensors rounded to bf16; the
+# export still writes the weights file's fp32 values.
+code, output, out2 = frozen_run("frozen-stage2-bf16", frozen_config, "--stage", "2", "--precision", "bf16")
+if code != 0:
+    print(output[-3000:])
+check(code == 0, "frozen, stage 2, bf16: trains")
+if code == 0:
+    check_frozen_export(out2, "frozen, stage 2, bf16")
+
+# The export's exact values come from model_weights read again: weights
+# changed under a run (between a checkpoint and its resume) are an error
+# naming the parameter, not a silent mix of old training and new values.
+changed = os.path.join(WORK, "changed_weights.safetensors")
+shutil.copyfile(WEIGHTS, changed)
+changing = ("--stage", "2", "--precision", "bf16", "--model_weights", changed)
+code, output, _ = frozen_run("frozen-changed", frozen_config, *changing, "--stop_after", "5", "--export_unet", "false")
+check(code == 0, "frozen, bf16: stopped after step 5")
+with open(changed, "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    begin = json.loads(f.read(n))["conv_in.bias"]["data_offsets"][0]
+    f.seek(8 + n + begin)
+    f.write(struct.pack("<f", 1234.5))
+out = os.path.join(WORK, "frozen-changed")
+cmd = [MPIEXEC, "-np", "2", *MPI_FLAGS, TRAIN, "--config", frozen_config, "--output_dir", out, "--steps",
+       str(FROZEN_STEPS), "--synthetic_samples", "128", "--checkpoint_every", "0", *changing, "--resume", "latest"]
+result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+output = result.stdout + result.stderr
+check(result.returncode != 0 and "export: frozen parameter 'conv_in.bias' element 0" in output
+      and "the weights the run started from changed" in output,
+      "frozen: model_weights changed before the export is refused, naming the parameter")
+
+# Refusals, before anything trains.
+for name, args, reason in [
+        ("freeze-typo", ("--freeze", "down_blocks.*", "--freeze", "downblocks.*"),
+         "[model] freeze: pattern 'downblocks.*' matches no parameter"),
+        ("freeze-all", ("--freeze", "*"), f"freezes all {len(start_weights)} parameters: nothing to train")]:
+    code, output, _ = frozen_run(name, frozen_config, *args, steps=5, ranks=1)
+    if code == 0 or reason not in output:
+        print(output[-2000:])
+    check(code != 0 and reason in output, f"{name}: refused, naming it ({reason})")
+down_only = grouped_config("frozen-group", [], [down])
+code, output, _ = frozen_run("freeze-group", down_only, "--freeze", "down_blocks.*", steps=5, ranks=1)
+check(code != 0 and "[[optimizer.groups]] 'down': pattern 'down_blocks.*' matches only frozen parameters" in output,
+      "a group whose pattern matches only frozen parameters is refused, naming it")
 
 print(f"{len(failures) == 0 and 'all passed' or 'FAILED: ' + '; '.join(failures)}")
 sys.exit(1 if failures else 0)

@@ -151,8 +151,16 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   // The memory planner's view of the run (its constants are calibrated for
   // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
   const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
+  // The planner counts frozen tensors as parameters only.
+  std::vector<std::vector<std::size_t>> frozen_sizes_by_unit;
+  if (std::find(frozen.begin(), frozen.end(), true) != frozen.end())
+    for (const zero::adapter::UnitSpec& u : units) {
+      frozen_sizes_by_unit.emplace_back();
+      for (const auto& [name, tensor] : u.params)
+        if (!tensor.requires_grad()) frozen_sizes_by_unit.back().push_back(static_cast<std::size_t>(tensor.numel()));
+    }
   const std::optional<zero::plan::Plan> run_plan =
-      plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader);
+      plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
   m.sharded = std::make_unique<zero::adapter::ShardedModel>(
       std::move(units), options, runtime.communicator(), runtime.backend(),
       [&group_by_name](const std::string& name) { return group_by_name.at(name); });

@@ -1,5 +1,6 @@
 #include "train_memory.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -26,12 +27,27 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
 /// The memory planner's view of this run (model, engine options, batch,
 /// checkpointing, latent size), before anything is allocated.
 zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
-                          int ranks_per_host) {
+                          int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
   zero::plan::PlanInput in;
   in.engine = options;
   in.world_size = world;
   sdxl::calibration::apply(in, static_cast<std::size_t>(count_parameters(ucfg)));
   in.units = sdxl::plan_units(ucfg);
+  // Frozen tensors count as parameters only: each unit's frozen sizes (from
+  // the model) are moved out of the planner's list of the unit's tensors.
+  ZERO_CHECK(frozen_sizes_by_unit.empty() || frozen_sizes_by_unit.size() == in.units.size(),
+             "memory plan: the model has ", frozen_sizes_by_unit.size(), " units, the planner's count of the UNet "
+             "config ", in.units.size());
+  for (std::size_t u = 0; u < frozen_sizes_by_unit.size(); ++u) {
+    zero::plan::PlanUnit& unit = in.units[u];
+    for (std::size_t size : frozen_sizes_by_unit[u]) {
+      auto it = std::find(unit.tensors.begin(), unit.tensors.end(), size);
+      ZERO_CHECK(it != unit.tensors.end(), "memory plan: unit '", unit.name, "' has a frozen tensor of ", size,
+                 " elements that the planner's count of the UNet config does not list");
+      unit.tensors.erase(it);
+      unit.frozen_tensors.push_back(size);
+    }
+  }
   in.model_name = c.model_config;
   in.activations = sdxl::plan_activations(ucfg, c.latent_size);
   in.gpus_per_host = ranks_per_host;
@@ -53,30 +69,27 @@ void check_plan_fits(const TrainConfig& c, std::size_t cap, const zero::plan::Pl
 
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,
                                                 zero::EngineOptions& options, std::size_t cap, int world,
-                                                int ranks_per_host, bool leader) {
+                                                int ranks_per_host, bool leader,
+                                                const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
   if (c.device != "cuda") return std::nullopt;
-  zero::plan::Plan run_plan = plan_run(c, ucfg, options, world, ranks_per_host);
+  zero::plan::Plan run_plan = plan_run(c, ucfg, options, world, ranks_per_host, frozen_sizes_by_unit);
   if (cap > 0 && run_plan.gpu_peak() > cap) {
     // Tight cap: the engine frees its transient blocks instead of caching
     // them (each free then waits for the device; that is what the cap
     // costs), where that is what lets the run fit.
     zero::EngineOptions uncached = options;
     uncached.buckets.cache_bytes = 0;
-    zero::plan::Plan uncached_plan = plan_run(c, ucfg, uncached, world, ranks_per_host);
+    zero::plan::Plan uncached_plan = plan_run(c, ucfg, uncached, world, ranks_per_host, frozen_sizes_by_unit);
     if (uncached_plan.gpu_peak_lower() <= cap) {
       options = uncached;
       run_plan = std::move(uncached_plan);
       if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
     }
   }
-  // The planner's units have no frozen parameters: it counts gradients,
-  // master weights and optimizer state for them too, so with [model] freeze
-  // its figures (and the max_gpu_memory check on them) err on the high side.
   if (leader)
-    std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank%s\n",
+    std::printf("memory plan (zero-plan): GPU peak %s .. %s per rank, pinned host %s per rank\n",
                 zero::format_bytes(run_plan.gpu_peak_lower()).c_str(), zero::format_bytes(run_plan.gpu_peak()).c_str(),
-                zero::format_bytes(run_plan.host_per_rank()).c_str(),
-                c.freeze.empty() ? "" : " (frozen parameters counted as trained: an upper bound)");
+                zero::format_bytes(run_plan.host_per_rank()).c_str());
   if (cap > 0) check_plan_fits(c, cap, run_plan);
   return run_plan;
 }

@@ -22,10 +22,12 @@ namespace sdxl {
 /// GPU): the plan of the run, printed by rank 0. With a cap (bytes, 0 for
 /// none) it may switch the engine's block cache off in `options` where that
 /// is what fits, and throws zero::OutOfMemory when even the plan's lower
-/// bound is over the cap.
+/// bound is over the cap. frozen_sizes_by_unit: the element counts of each
+/// unit's frozen tensors ([model] freeze), in the model's unit order; empty: none.
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,
                                                 zero::EngineOptions& options, std::size_t cap, int world,
-                                                int ranks_per_host, bool leader);
+                                                int ranks_per_host, bool leader,
+                                                const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {});
 
 /// Once the engine holds its buffers: measures what is in use and gives
 /// LibTorch's caching allocator the rest of the cap, less the engine's

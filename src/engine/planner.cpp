@@ -29,6 +29,7 @@ std::size_t ActivationModel::bytes(int batch, bool checkpointing, std::size_t dt
 std::size_t PlanUnit::numel() const {
   std::size_t n = 0;
   for (std::size_t t : tensors) n += t;
+  for (std::size_t t : frozen_tensors) n += t;
   return n;
 }
 
@@ -37,8 +38,8 @@ std::size_t PlanUnit::numel() const {
 void PlanInput::validate() const {
   ZERO_CHECK(!units.empty() || param_count > 0, "plan: give the model as units or a parameter count (> 0)");
   for (std::size_t u = 0; u < units.size(); ++u)
-    ZERO_CHECK(!units[u].tensors.empty() && units[u].numel() > 0, "plan: unit ", u, " ('", units[u].name,
-               "') has no parameters");
+    ZERO_CHECK(!(units[u].tensors.empty() && units[u].frozen_tensors.empty()) && units[u].numel() > 0, "plan: unit ",
+               u, " ('", units[u].name, "') has no parameters");
   ZERO_CHECK(world_size >= 1, "plan: world_size must be >= 1, got ", world_size);
   ZERO_CHECK(gpus_per_host >= 1, "plan: gpus_per_host must be >= 1, got ", gpus_per_host);
   try {
@@ -74,6 +75,8 @@ std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
       std::vector<ParamSpec> group;
       for (std::size_t t = 0; t < unit.tensors.size(); ++t)
         group.push_back({unit.name + "." + std::to_string(t), unit.tensors[t], {}});
+      for (std::size_t t = 0; t < unit.frozen_tensors.size(); ++t)
+        group.push_back({unit.name + ".frozen" + std::to_string(t), unit.frozen_tensors[t], {}, 0, true});
       groups.push_back(std::move(group));
     }
     return groups;
@@ -104,8 +107,8 @@ void run_steps(Engine& engine, const PlanInput& in, int steps) {
       }
       for (std::size_t u = units; u-- > 0;) {
         engine.enter_unit(u, Pass::backward, recomputed(u));
-        const Bucket& bucket = engine.layout().buckets()[u];
-        for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
+        for (std::size_t p : engine.unit_params(u)) {
+          if (engine.frozen(p)) continue;
           engine.grad_data(p);
           engine.grad_ready(p);
         }
@@ -143,7 +146,8 @@ Plan make_plan(const PlanInput& input) {
   plan.padded_numel = layout.padded_numel();
   plan.unit_count = layout.buckets().size();
   for (const Bucket& b : layout.buckets()) plan.largest_unit_elements = std::max(plan.largest_unit_elements, b.padded);
-  if (plan.input.param_count == 0 || !input.units.empty()) plan.input.param_count = layout.param_numel();
+  if (plan.input.param_count == 0 || !input.units.empty())
+    plan.input.param_count = layout.param_numel() + engine.frozen_layout().param_numel();
   plan.ranks_per_host = std::min(input.world_size, input.gpus_per_host);
 
   // Before the first step the engine holds its persistent state only.

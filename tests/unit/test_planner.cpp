@@ -381,3 +381,29 @@ TEST_CASE("plan: traffic per rank and step, flat and hybrid, inside and between 
   // And its model state is that of a world of 8.
   CHECK(hybrid.model_state.master == model_state_bytes(in.engine, hybrid.padded_numel, 8).master);
 }
+
+// Frozen tensors (PlanUnit::frozen_tensors) cost parameter bytes only: the
+// same model with part frozen plans the same parameters and less of the rest.
+TEST_CASE("plan: frozen tensors count as parameters only") {
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 4;
+  in.engine.stage = 3;
+  const plan::Plan all = plan::make_plan(in);
+  std::size_t frozen = 0;
+  for (plan::PlanUnit& unit : in.units)
+    if (unit.name.rfind("down_blocks", 0) == 0) {
+      unit.frozen_tensors = unit.tensors;
+      for (std::size_t t : unit.tensors) frozen += t;
+      unit.tensors.clear();
+    }
+  const plan::Plan part = plan::make_plan(in);
+  CHECK(part.input.param_count == all.input.param_count);
+  // Parameters: the same elements, padded in two layouts (a little more padding).
+  CHECK(part.model_state.params >= all.model_state.params);
+  CHECK(part.model_state.params - all.model_state.params <= 2 * 64 * 4 * 2 * in.units.size());
+  const double trained = static_cast<double>(all.input.param_count - frozen) / static_cast<double>(all.input.param_count);
+  CHECK(static_cast<double>(part.model_state.master) == doctest::Approx(trained * all.model_state.master).epsilon(1e-3));
+  CHECK(static_cast<double>(part.model_state.optimizer_state) ==
+        doctest::Approx(trained * all.model_state.optimizer_state).epsilon(1e-3));
+  CHECK(static_cast<double>(part.model_state.grads) == doctest::Approx(trained * all.model_state.grads).epsilon(1e-3));
+}

@@ -67,7 +67,10 @@ struct PlanUnit {
   /// Recomputed in backward when activation checkpointing is on (a model
   /// may leave small units, such as embeddings and heads, out).
   bool checkpointed = true;
-  std::size_t numel() const;
+  /// Frozen tensors of the unit (sizes): parameters only, no gradient,
+  /// master, optimizer state or EMA (ParamSpec::frozen).
+  std::vector<std::size_t> frozen_tensors;
+  std::size_t numel() const;  // trained and frozen
 };
 
 /// The speed model: GPU time of one micro-step, and what checkpointing,

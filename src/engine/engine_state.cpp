@@ -518,16 +518,18 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
 // ---------------------------------------------------------------- saved shards (for tools)
 
 namespace {
+// An integer in [lo, hi] under `key`, or the reader's error naming it.
+std::int64_t integer(const io::detail::JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) {
+  const nlohmann::json* v = in.find(key);
+  if (!v || !v->is_number_integer()) in.fail(key, "an integer");
+  if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
+  in.fail(key, "an integer in range");
+}
+
 // A layout recorded by save_state, rebuilt and checked against its padded size.
 FlatLayout saved_layout(const io::detail::JsonReader& layout, const std::string& path, int world_size,
                         bool allow_empty_buckets) {
   using io::detail::JsonReader;
-  auto integer = [](const JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
-    const nlohmann::json* v = in.find(key);
-    if (!v || !v->is_number_integer()) in.fail(key, "an integer");
-    if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
-    in.fail(key, "an integer in range");
-  };
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
   const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
@@ -581,12 +583,6 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   const std::string origin = "checkpoint shard '" + path + "': 'zero.engine' metadata ";
   const JsonReader root(origin, state, "", JsonReader::Found::omitted);
   if (!state.is_object()) root.fail("(root)", "an object");
-  auto integer = [](const JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) -> std::int64_t {
-    const nlohmann::json* v = in.find(key);
-    if (!v || !v->is_number_integer()) in.fail(key, "an integer");
-    if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
-    in.fail(key, "an integer in range");
-  };
   if (state.value("format", nlohmann::json()) != kShardFormat) root.fail("format", "\"zero.engine.shard\"");
   if (state.value("version", nlohmann::json()) != kShardVersion) root.fail("version", "1");
   SavedShard out;

@@ -37,6 +37,7 @@
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
 #include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
+#include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
 #include "unet.hpp"                     // UNet2DConditionModel
@@ -291,6 +292,9 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
                                                      .seed = static_cast<std::uint64_t>(cfg.seed)});
   d.resumed = maybe_resume(cfg, *m.sharded, comm);
   if (d.resumed.sampler) sampler.restore(*d.resumed.sampler);
+  // Only now, with every check of the resume passed.
+  if (host_comm.rank() == 0 && !d.resumed.folder.empty())
+    std::printf("resumed from %s at step %lld\n", d.resumed.folder.c_str(), static_cast<long long>(d.resumed.step));
   d.loader = std::make_unique<data::PrefetchingLoader>(dataset, std::move(sampler));
   return d;
 }
@@ -581,6 +585,9 @@ int main(int argc, char** argv) {
     zero::MpiCommunicator host_comm;
     const bool leader = host_comm.rank() == 0;
     announce_run(cfg, host_comm);
+    // Before the model is built: a folder that cannot be written, is in use
+    // by another run or holds one that would be overwritten ends the run now.
+    const std::unique_ptr<OutputDirLock> output_lock = claim_output_dir(cfg, host_comm);
 
     select_attention_backend(cfg.attention, "[device] attention");
     DeviceRuntime runtime(cfg, host_comm);

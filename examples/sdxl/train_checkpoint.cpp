@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <iterator>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,7 +52,7 @@ void check_same_freeze(const TrainConfig& c, const zero::Engine& engine, const f
 
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
                      zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
-  const fs::path dir = zero::io::checkpoint_folder(checkpoints_root(c), step);
+  const fs::path root = checkpoints_root(c);
   // One file per rank of a shard group (all ranks without hybrid sharding),
   // written by the first replica: the others hold the same state. Shard
   // groups are consecutive ranks, so world ranks 0..S-1 are the writers.
@@ -59,23 +60,28 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
   const int files = engine.world_size();
   const bool writes = engine.replica() == 0;
   const std::string own = zero::io::rank_file_name(engine.rank());
-  if (comm.rank() == 0) {
-    fs::create_directories(dir);
-    std::error_code ec;
-    fs::remove(dir / zero::io::kManifestName, ec);
-  }
+  // Everything goes into a staging folder beside the checkpoints (rank 0
+  // draws its name), moved into place only once the manifest is in it: an
+  // existing checkpoint of this step stays whole until its replacement is.
+  std::uint64_t nonce = 0;
+  if (host.rank() == 0) nonce = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  MPI_Request request = MPI_REQUEST_NULL;
+  ZERO_CHECK_MPI(MPI_Ibcast(&nonce, 1, MPI_UINT64_T, 0, host.mpi_comm(), &request));
+  host.wait_request(&request, "checkpoint folder name broadcast");
+  const fs::path staging = zero::io::checkpoint_staging_folder(root, step, nonce);
+  if (host.rank() == 0) (void)zero::io::begin_checkpoint(root, step, nonce);
   host.barrier();
   std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
   for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
-  if (writes) model.engine().save_state((dir / own).string(), metadata);
+  if (writes) model.engine().save_state((staging / own).string(), metadata);
   // Every writer checksums its own file; rank 0 lists them all in the manifest.
-  std::uint32_t crc = writes ? zero::io::file_crc32c(dir / own) : 0;
+  std::uint32_t crc = writes ? zero::io::file_crc32c(staging / own) : 0;
   std::vector<std::uint32_t> crcs(static_cast<std::size_t>(comm.size()));
   MPI_Request gather = MPI_REQUEST_NULL;
   ZERO_CHECK_MPI(MPI_Igather(&crc, 1, MPI_UINT32_T, crcs.data(), 1, MPI_UINT32_T, 0, host.mpi_comm(), &gather));
   host.wait_request(&gather, "checkpoint checksum gather");
   host.barrier();
-  if (comm.rank() == 0) {
+  if (host.rank() == 0) {
     zero::io::CheckpointManifest manifest;
     zero::io::describe_engine(model.engine(), manifest);
     manifest.step = step;
@@ -85,44 +91,81 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
     manifest.config = c.to_toml();
     for (int r = 0; r < files; ++r) {
       const std::string name = zero::io::rank_file_name(r);
-      manifest.files.push_back({name, fs::file_size(dir / name), crcs[static_cast<std::size_t>(r)]});
+      manifest.files.push_back({name, fs::file_size(staging / name), crcs[static_cast<std::size_t>(r)]});
     }
-    zero::io::write_manifest(dir, manifest);
-    zero::io::rotate_checkpoints(checkpoints_root(c), static_cast<std::size_t>(c.keep_checkpoints));
+    zero::io::write_manifest(staging, manifest);
+    zero::io::commit_checkpoint(staging, root, step);
+    zero::io::rotate_checkpoints(root, static_cast<std::size_t>(c.keep_checkpoints));
   }
   host.barrier();
 }
 
-Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm) {
-  if (c.resume.empty()) return {};
-  fs::path dir = c.resume;
-  if (c.resume == "latest") {
-    auto all = zero::io::list_complete_checkpoints(checkpoints_root(c));
-    if (all.empty()) {
-      if (comm.rank() == 0) std::printf("resume: no complete checkpoint under %s; starting fresh\n", c.output_dir.c_str());
-      return {};
-    }
-    dir = all.back().path;
-  }
+namespace {
+
+/// The manifest of `dir` and every check that needs no engine: checksums
+/// present (or accepted absent), this rank's files' sizes and CRCs, and the
+/// manifest against the shards' own metadata (step, world size, layout), the
+/// code `zero-ckpt verify` runs.
+zero::io::CheckpointManifest checked_manifest(const TrainConfig& c, const fs::path& dir, int own, int now) {
   const fs::path manifest_path = dir / zero::io::kManifestName;
   ZERO_CHECK(fs::exists(manifest_path), "resume: ", manifest_path.string(),
              " is missing (an interrupted save, or not a checkpoint folder)");
   const zero::io::CheckpointManifest manifest = zero::io::read_manifest(manifest_path);
-  // Files per shard group then and now (the world size without hybrid sharding).
-  const int old_world = manifest.world_size, now = model.engine().world_size(), own = model.engine().rank();
-  const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
-  if (old_world == now) {
+  for (const zero::io::ManifestFile& f : manifest.files)
+    if (!f.crc32c && !c.accept_unchecksummed_checkpoint)
+      ZERO_THROW(zero::InvalidArgument, "resume: ", manifest_path.string(), " (version ", manifest.version,
+                 ") lists no CRC32C for ", f.file, ": a damaged shard would load unnoticed. Check the files "
+                 "(zero-ckpt verify ", dir.string(), " checks sizes and shard metadata) and pass "
+                 "--accept_unchecksummed_checkpoint ([output]) to resume from it anyway; its next save has checksums");
+  // Same number of ranks: each its own file; another: every rank reads them all.
+  if (manifest.world_size == now) {
     zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(own));
-    check_same_freeze(c, model.engine(), shard, manifest);
+  } else {
+    for (std::size_t r = 0; r < manifest.files.size(); ++r) zero::io::verify_checkpoint_file(dir, manifest, r);
+  }
+  zero::io::verify_checkpoint_shards(dir, manifest);
+  return manifest;
+}
+
+}  // namespace
+
+Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm) {
+  if (c.resume.empty()) return {};
+  fs::path dir = c.resume;
+  std::vector<zero::io::CheckpointFolder> older;  // complete ones before the newest, for --resume latest
+  if (c.resume == "latest") {
+    older = zero::io::list_complete_checkpoints(checkpoints_root(c));
+    if (older.empty()) {
+      // claim_output_dir refused a folder of only incomplete checkpoints.
+      if (comm.rank() == 0) std::printf("resume: no complete checkpoint under %s; starting fresh\n", c.output_dir.c_str());
+      return {};
+    }
+    dir = older.back().path;
+    older.pop_back();
+  }
+  // Files per shard group then and now (the world size without hybrid sharding).
+  const int now = model.engine().world_size(), own = model.engine().rank();
+  zero::io::CheckpointManifest manifest;
+  try {
+    manifest = checked_manifest(c, dir, own, now);
+  } catch (const zero::IoError& e) {
+    if (older.empty()) throw;
+    const fs::path& previous = older.back().path;
+    ZERO_THROW(zero::IoError, e.message(), ". The newest checkpoint is damaged; an older complete one is ",
+               previous.string(), " (step ", older.back().step, "): resume from it with --resume ", previous.string());
+  }
+  ZERO_CHECK(manifest.step <= c.steps, "resume: ", dir.string(), " is at step ", manifest.step, ", beyond --steps ",
+             c.steps, " ([train] steps): nothing to train, and the export would be the checkpoint's model. Set "
+             "--steps above ", manifest.step, " to train on from it");
+  const int old_world = manifest.world_size;
+  const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
+  check_same_freeze(c, model.engine(), shard, manifest);
+  if (old_world == now) {
     model.engine().load_state((dir / zero::io::rank_file_name(own)).string());
   } else {
     // Another number of ranks: every rank reads its new slices from the old shards.
     std::vector<std::string> files;
-    for (int r = 0; r < old_world; ++r) {
-      zero::io::verify_checkpoint_file(dir, manifest, static_cast<std::size_t>(r));
-      files.push_back((dir / zero::io::rank_file_name(r)).string());
-    }
-    check_same_freeze(c, model.engine(), shard, manifest);
+    for (int r = 0; r < old_world; ++r) files.push_back((dir / zero::io::rank_file_name(r)).string());
     model.engine().load_state_resharded(files);
     if (comm.rank() == 0)
       std::printf("resharded the checkpoint from %d to %d ranks per shard group (keep the global batch: "
@@ -130,9 +173,9 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   }
   Resumed r;
   r.step = manifest.step;
+  r.folder = dir;
   const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);
   r.sampler = data::SamplerState::from_metadata(file.metadata());
-  if (comm.rank() == 0) std::printf("resumed from %s at step %lld\n", dir.string().c_str(), static_cast<long long>(r.step));
   return r;
 }
 

@@ -81,6 +81,13 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
       {"output", "keep_checkpoints", &c.keep_checkpoints, "checkpoints kept (older ones are deleted)"},
       {"output", "resume", &c.resume, "\"latest\" or a checkpoint folder to resume from"},
+      {"output", "overwrite", &c.overwrite,
+       "start afresh in an output_dir that holds another run: its checkpoints, metrics.jsonl and TensorBoard events "
+       "are removed first (without it, such a folder is refused unless resuming); with --resume latest: start afresh "
+       "when only incomplete checkpoints are there"},
+      {"output", "accept_unchecksummed_checkpoint", &c.accept_unchecksummed_checkpoint,
+       "resume from a checkpoint whose manifest lists no CRC32C (version 1), where a damaged shard would load "
+       "unnoticed"},
       {"output", "stop_after", &c.stop_after, "save a checkpoint and stop after this step, to resume later (0: off)"},
       {"output", "export_single_file", &c.export_single_file, "also export the original single-file layout"},
       {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
@@ -147,7 +154,8 @@ void set_from_text(const Option& o, const std::string& text) {
         if constexpr (std::is_same_v<T, std::string>) {
           *p = text;
         } else if constexpr (std::is_same_v<T, bool>) {
-          if (text == "true" || text == "1" || text == "on") *p = true;
+          // A bare --overwrite (no value) means true.
+          if (text.empty() || text == "true" || text == "1" || text == "on") *p = true;
           else if (text == "false" || text == "0" || text == "off") *p = false;
           else ZERO_THROW(zero::InvalidArgument, where, ": expected true or false, got '", text, "'");
         } else {
@@ -405,12 +413,14 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
   std::vector<CLI::Option*> handles;
   for (std::size_t i = 0; i < default_options.size(); ++i) {
     const Option& o = default_options[i];
+    const bool is_bool = std::holds_alternative<bool*>(o.field);
     handles.push_back(app.add_option(std::string("--") + o.key, overrides[i],
                                      std::string(o.help) + " [" + o.table + "] (default: " + show(o.field) + ")")
                           ->type_name(std::holds_alternative<std::string*>(o.field) ? "TEXT"
-                                      : std::holds_alternative<bool*>(o.field)       ? "BOOL"
+                                      : is_bool                                      ? "[BOOL]"
                                       : std::holds_alternative<double*>(o.field)     ? "NUMBER"
                                                                                       : "INT"));
+    if (is_bool) handles.back()->expected(0, 1);  // --flag alone is --flag true
   }
   // [model] freeze on the command line: one pattern per --freeze, the
   // whole list replacing the file's; --freeze "" freezes nothing.

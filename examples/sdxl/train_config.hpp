@@ -74,6 +74,13 @@ struct TrainConfig {
   std::int64_t checkpoint_every = 0;   // 0: only at the end
   std::int64_t keep_checkpoints = 2;
   std::string resume;                  // "", "latest", or a checkpoint folder
+  /// Start afresh in an output_dir that holds another run (its checkpoints,
+  /// metrics.jsonl, TensorBoard events are removed first); without it such a
+  /// folder is refused unless resuming.
+  bool overwrite = false;
+  /// Resume from a checkpoint whose manifest lists no CRC32C (version 1),
+  /// where a damaged shard would load unnoticed; refused without it.
+  bool accept_unchecksummed_checkpoint = false;
   std::int64_t stop_after = 0;         // save a checkpoint and stop after this step (0: run to the end)
   bool export_single_file = false;     // also write the original single-file layout
   bool save_final = true;              // checkpoint after the last step

@@ -5,12 +5,19 @@
 #include "../io/json_reader.hpp"
 #include "zero/checkpoint/checkpoint.hpp"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
@@ -115,6 +122,26 @@ const char* file_kind(fs::file_type type) {
     case fs::file_type::symlink: return "a symbolic link";
     default: return "not a plain file";
   }
+}
+
+// The hidden names of a save in progress and of the folder it replaces.
+constexpr std::string_view kStagingTag = ".tmp-";
+constexpr std::string_view kReplacedTag = ".replaced-";
+
+// The step of "step-<digits>" (visible) or "step-<digits>.tmp-<nonce>" /
+// "step-<digits>.replaced-<nonce>" (hidden, the dot already cut off).
+std::optional<std::int64_t> step_of_name(std::string_view name, bool hidden) {
+  constexpr std::string_view prefix = "step-";
+  if (name.substr(0, prefix.size()) != prefix) return std::nullopt;
+  name.remove_prefix(prefix.size());
+  std::size_t digits = 0;
+  while (digits < name.size() && name[digits] >= '0' && name[digits] <= '9') ++digits;
+  if (digits == 0 || digits > 18) return std::nullopt;
+  const std::string_view rest = name.substr(digits);
+  if (hidden ? !(rest.substr(0, kStagingTag.size()) == kStagingTag || rest.substr(0, kReplacedTag.size()) == kReplacedTag)
+             : !rest.empty())
+    return std::nullopt;
+  return std::stoll(std::string(name.substr(0, digits)));
 }
 
 Json json_text(const std::string& text, std::string_view what) {
@@ -264,24 +291,42 @@ void write_manifest(const fs::path& folder, const CheckpointManifest& manifest) 
 
 // ---------------------------------------------------------------- folders
 
-std::vector<CheckpointFolder> list_complete_checkpoints(const fs::path& root) {
-  std::vector<CheckpointFolder> found_folders;
+CheckpointScan scan_checkpoints(const fs::path& root) {
+  CheckpointScan found;
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return found_folders;
+  if (!fs::is_directory(root, ec)) return found;
   fs::directory_iterator it(root, ec);
   if (ec) ZERO_THROW(IoError, "cannot list checkpoints in ", root.string(), ": ", ec.message());
   for (; it != fs::directory_iterator(); it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step-") != 0 || name.size() > 5 + 18) continue;
-    if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
-    if (!fs::is_regular_file(it->path() / kManifestName, ec)) continue;
-    found_folders.push_back({std::stoll(name.substr(5)), it->path()});
+    const bool hidden = !name.empty() && name[0] == '.';
+    const std::optional<std::int64_t> step = step_of_name(hidden ? std::string_view(name).substr(1) : name, hidden);
+    if (!step) continue;
+    std::error_code status_ec;
+    const fs::file_status status = fs::symlink_status(it->path(), status_ec);
+    if (fs::is_symlink(status)) {
+      const fs::path target = fs::read_symlink(it->path(), status_ec);
+      ZERO_THROW(IoError, "checkpoint folder ", it->path().string(), " is a symbolic link (to ", target.string(),
+                 "): checkpoint folders must be real folders inside ", root.string(),
+                 ", since rotation deletes them and zero never deletes through a link. Remove the link (it only "
+                 "removes the link), and name its target directly to read that checkpoint");
+    }
+    if (!fs::is_directory(status)) continue;
+    CheckpointFolder folder{*step, it->path()};
+    if (hidden) found.interrupted.push_back(std::move(folder));
+    else if (fs::is_regular_file(it->path() / kManifestName, status_ec)) found.complete.push_back(std::move(folder));
+    else found.incomplete.push_back(std::move(folder));
   }
   if (ec) ZERO_THROW(IoError, "cannot list checkpoints in ", root.string(), ": ", ec.message());
-  std::sort(found_folders.begin(), found_folders.end(),
-            [](const CheckpointFolder& a, const CheckpointFolder& b) { return a.step < b.step; });
-  return found_folders;
+  const auto by_step = [](const CheckpointFolder& a, const CheckpointFolder& b) {
+    return a.step != b.step ? a.step < b.step : a.path < b.path;
+  };
+  for (auto* list : {&found.complete, &found.incomplete, &found.interrupted})
+    std::sort(list->begin(), list->end(), by_step);
+  return found;
 }
+
+std::vector<CheckpointFolder> list_complete_checkpoints(const fs::path& root) { return scan_checkpoints(root).complete; }
 
 void verify_checkpoint_file(const fs::path& folder, const CheckpointManifest& manifest, std::size_t index) {
   ZERO_CHECK(index < manifest.files.size(), (folder / kManifestName).string(), " lists ", manifest.files.size(),
@@ -315,11 +360,26 @@ void verify_checkpoint_files(const fs::path& folder, const CheckpointManifest& m
 }
 
 void remove_checkpoint(const fs::path& folder) {
-  std::error_code ec;
-  fs::remove(folder / kManifestName, ec);  // first: the folder stops counting as complete
-  for (fs::directory_iterator it(folder, ec); !ec && it != fs::directory_iterator(); it.increment(ec))
-    fs::remove(it->path(), ec);
-  fs::remove(folder, ec);
+  struct stat status {};
+  if (::lstat(folder.c_str(), &status) != 0) return;  // already gone
+  if (S_ISLNK(status.st_mode))
+    ZERO_THROW(IoError, "not removing ", folder.string(), ": it is a symbolic link, and a checkpoint folder is "
+               "never removed through a link (what it points to belongs to something else)");
+  // O_NOFOLLOW: a folder swapped for a link after the check is refused by open().
+  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir < 0) return;
+  ::unlinkat(dir, std::string(kManifestName).c_str(), 0);  // first: the folder stops counting as complete
+  if (DIR* entries = ::fdopendir(::dup(dir))) {
+    std::vector<std::string> names;
+    while (const dirent* entry = ::readdir(entries))
+      if (std::strcmp(entry->d_name, ".") != 0 && std::strcmp(entry->d_name, "..") != 0) names.emplace_back(entry->d_name);
+    ::closedir(entries);
+    // unlinkat without AT_REMOVEDIR removes a link itself, never its target,
+    // and leaves a subfolder alone (EISDIR).
+    for (const std::string& name : names) ::unlinkat(dir, name.c_str(), 0);
+  }
+  ::close(dir);
+  ::rmdir(folder.c_str());
 }
 
 std::vector<fs::path> rotate_checkpoints(const fs::path& root, std::size_t keep) {
@@ -328,6 +388,98 @@ std::vector<fs::path> rotate_checkpoints(const fs::path& root, std::size_t keep)
   for (std::size_t i = 0; i + keep < all.size(); ++i) {
     remove_checkpoint(all[i].path);
     removed.push_back(all[i].path);
+  }
+  return removed;
+}
+
+// ---------------------------------------------------------------- saving
+
+fs::path checkpoint_staging_folder(const fs::path& root, std::int64_t step, std::uint64_t nonce) {
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(nonce));
+  std::string name = ".";
+  name += checkpoint_folder_name(step);
+  name += kStagingTag;
+  name += suffix;
+  return root / name;
+}
+
+fs::path begin_checkpoint(const fs::path& root, std::int64_t step, std::uint64_t nonce) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) ZERO_THROW(IoError, "cannot create the checkpoint folder ", root.string(), ": ", ec.message());
+  (void)remove_interrupted_saves(root);
+  const fs::path staging = checkpoint_staging_folder(root, step, nonce);
+  if (::mkdir(staging.c_str(), 0777) != 0) {
+    const int error = errno;
+    ZERO_THROW(IoError, "cannot create ", staging.string(), " to save the step-", step, " checkpoint: ",
+               std::strerror(error));
+  }
+  return staging;
+}
+
+fs::path commit_checkpoint(const fs::path& staging, const fs::path& root, std::int64_t step) {
+  const fs::path final_folder = checkpoint_folder(root, step);
+  std::error_code ec;
+  if (!fs::is_regular_file(staging / kManifestName, ec))
+    ZERO_THROW(IoError, "cannot commit ", staging.string(), ": it has no ", kManifestName,
+               " (write every rank's file, then the manifest)");
+  fsync_directory(staging);
+  struct stat status {};
+  const bool replacing = ::lstat(final_folder.c_str(), &status) == 0;
+  if (replacing && S_ISLNK(status.st_mode))
+    ZERO_THROW(IoError, "not replacing ", final_folder.string(), ": it is a symbolic link (a checkpoint folder is "
+               "never written or removed through a link); the new checkpoint is left in ", staging.string());
+  auto fail = [&](const char* what, const fs::path& from, const fs::path& to) {
+    const int error = errno;
+    ZERO_THROW(IoError, "cannot ", what, " ", from.string(), " to ", to.string(), ": ", std::strerror(error),
+               " (the new step-", step, " checkpoint is complete in ", staging.string(), ")");
+  };
+  if (!replacing) {
+    if (::rename(staging.c_str(), final_folder.c_str()) != 0) fail("rename", staging, final_folder);
+    fsync_directory(root);
+    return final_folder;
+  }
+  // The old folder takes the staging name in the same step: a complete
+  // checkpoint of the step stays in place, then the old one goes.
+  if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, final_folder.c_str(), RENAME_EXCHANGE) == 0) {
+    fsync_directory(root);
+    remove_checkpoint(staging);
+    return final_folder;
+  }
+  if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) fail("exchange", staging, final_folder);
+  // No RENAME_EXCHANGE here (NFS, some FUSE file systems): move the old one
+  // aside under a name remove_interrupted_saves knows to put back.
+  std::string aside_name = staging.filename().string();
+  aside_name.replace(aside_name.find(kStagingTag), kStagingTag.size(), kReplacedTag);
+  const fs::path aside = root / aside_name;
+  if (::rename(final_folder.c_str(), aside.c_str()) != 0) fail("rename", final_folder, aside);
+  if (::rename(staging.c_str(), final_folder.c_str()) != 0) {
+    const int error = errno;
+    (void)::rename(aside.c_str(), final_folder.c_str());  // the old one back in place
+    errno = error;
+    fail("rename", staging, final_folder);
+  }
+  fsync_directory(root);
+  remove_checkpoint(aside);
+  return final_folder;
+}
+
+std::vector<fs::path> remove_interrupted_saves(const fs::path& root) {
+  std::vector<fs::path> removed;
+  for (const CheckpointFolder& leftover : scan_checkpoints(root).interrupted) {
+    const std::string name = leftover.path.filename().string();
+    const fs::path final_folder = checkpoint_folder(root, leftover.step);
+    std::error_code ec;
+    // A commit cut between its two renames: the old checkpoint goes back.
+    if (name.find(kReplacedTag) != std::string::npos && !fs::exists(fs::symlink_status(final_folder, ec)) &&
+        fs::is_regular_file(leftover.path / kManifestName, ec) &&
+        ::rename(leftover.path.c_str(), final_folder.c_str()) == 0) {
+      fsync_directory(root);
+      continue;
+    }
+    remove_checkpoint(leftover.path);
+    removed.push_back(leftover.path);
   }
   return removed;
 }

@@ -3,6 +3,8 @@
 // shards into one file of full tensors.
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <system_error>
 #include <vector>
 
@@ -62,10 +64,16 @@ OpenShards open_shards(const fs::path& folder, const CheckpointManifest& manifes
                   s.optimizer != first.optimizer || s.state_slots != first.state_slots))
       ZERO_THROW(IoError, "checkpoint shard '", path.string(), "' does not belong with '",
                  out.files.front().path().string(), "' (another layout, step, stage or optimizer)");
+    // Every version: the step decides where a resumed run continues, and a
+    // manifest edited by hand (or copied from another save) must not move it.
+    // The manifest counts skipped steps too (the trainer's step number).
+    const bool step_fits = s.skipped_steps <= std::numeric_limits<std::int64_t>::max() - s.step;
+    if (!step_fits || s.step + s.skipped_steps != manifest.step)
+      ZERO_THROW(IoError, "checkpoint shard '", path.string(), "' holds step ",
+                 step_fits ? std::to_string(s.step + s.skipped_steps) : std::string("(out of range)"), " (",
+                 s.step, " applied, ", s.skipped_steps, " skipped), the manifest '",
+                 (folder / kManifestName).string(), "' says step ", manifest.step);
     if (manifest.version >= 2) {
-      if (s.step != manifest.step)
-        ZERO_THROW(IoError, "checkpoint shard '", path.string(), "' holds step ", s.step, ", the manifest says ",
-                   manifest.step);
       if (s.layout.params().size() != manifest.layout.param_count ||
           s.layout.padded_numel() != manifest.layout.padded_numel)
         ZERO_THROW(IoError, "checkpoint shard '", path.string(), "' has ", s.layout.params().size(),

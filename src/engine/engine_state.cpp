@@ -590,6 +590,7 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   out.rank = static_cast<int>(integer(root, "rank", 0, 1 << 20));
   out.stage = static_cast<int>(integer(root, "stage", 0, 3));
   out.step = integer(root, "step", 0, kMax);
+  if (root.find("skipped_total") != nullptr) out.skipped_steps = integer(root, "skipped_total", 0, kMax);
   out.param_dtype = root.string("param_dtype");
   out.optimizer = root.string("optimizer");
   out.state_slots = static_cast<int>(integer(root, "state_slots", 0, 2));

@@ -5,10 +5,17 @@
 //                        rank-00001.safetensors ...
 //                        manifest.json
 //
-// The manifest is written last, atomically, once every rank's file is
-// complete: a folder without one is an interrupted save and is ignored. It
-// lists every file with its size and CRC-32C, so a truncated or corrupted
-// shard is named before anything is loaded from it.
+// A save never writes into a final step folder: every file goes into a hidden
+// staging folder beside it (<root>/.step-00000100.tmp-<nonce>), the manifest
+// last, once every rank's file is complete; commit_checkpoint then moves the
+// staging folder into place in one rename (exchanging it with an older folder
+// of the same step), so a step folder is either the old complete checkpoint
+// or the new complete one, never a mix. The manifest lists every file with
+// its size and CRC-32C, so a truncated or corrupted shard is named before
+// anything is loaded from it.
+//
+// Nothing here follows a symbolic link to delete: a step folder that is a
+// link is refused by the listing and never removed through.
 //
 // The functions here are MPI-agnostic: who writes which file, and the gather
 // of the checksums, is the caller's business (the example trainer shows
@@ -126,10 +133,28 @@ struct CheckpointFolder {
   std::filesystem::path path;
 };
 
-/// The complete checkpoints under root (folders "step-<digits>" holding a
-/// manifest.json), by ascending step. Empty when root does not exist; other
-/// entries and interrupted saves (no manifest) are skipped. Only names are
-/// looked at: read_manifest() validates.
+/// What a checkpoint root holds, by kind, each list by ascending step.
+struct CheckpointScan {
+  /// Folders "step-<digits>" holding a manifest.json.
+  std::vector<CheckpointFolder> complete;
+  /// Folders "step-<digits>" without one: a save interrupted before staging
+  /// folders existed, or a manifest removed by hand.
+  std::vector<CheckpointFolder> incomplete;
+  /// Hidden leftovers of saves that did not finish (".step-<digits>.tmp-*",
+  /// ".step-<digits>.replaced-*"): never resumed from, removed by the next
+  /// save (remove_interrupted_saves).
+  std::vector<CheckpointFolder> interrupted;
+};
+
+/// Sorts the entries of root (not descending into them). Empty when root
+/// does not exist; other names are skipped. Only names and the presence of
+/// manifest.json are looked at: read_manifest() validates. Throws
+/// zero::IoError when an entry named like a checkpoint is a symbolic link,
+/// naming it and its target: rotation would delete through it, in a folder
+/// that belongs to something else.
+CheckpointScan scan_checkpoints(const std::filesystem::path& root);
+
+/// scan_checkpoints(root).complete: what `--resume latest` and rotation see.
 std::vector<CheckpointFolder> list_complete_checkpoints(const std::filesystem::path& root);
 
 /// Checks the size and, when listed, the CRC-32C of file `index` of the
@@ -143,9 +168,12 @@ void verify_checkpoint_file(const std::filesystem::path& folder, const Checkpoin
 void verify_checkpoint_files(const std::filesystem::path& folder, const CheckpointManifest& manifest);
 
 /// Removes a checkpoint folder: the manifest first (the folder stops counting
-/// as complete at once), then each entry, then the folder. Entry by entry, not
-/// std::filesystem::remove_all, which pip's LibTorch breaks (its old
-/// filesystem symbols shadow libstdc++'s). Failures are ignored: a leftover
+/// as complete at once), then each entry, then the folder. Entry by entry
+/// through a descriptor of the folder opened without following links (not
+/// std::filesystem::remove_all, which pip's LibTorch breaks: its old
+/// filesystem symbols shadow libstdc++'s); an entry that is a link is
+/// unlinked, never followed. Throws zero::IoError, removing nothing, when
+/// `folder` itself is a symbolic link. Other failures are ignored: a leftover
 /// folder without a manifest is harmless. Subfolders are not descended into.
 void remove_checkpoint(const std::filesystem::path& folder);
 
@@ -153,13 +181,52 @@ void remove_checkpoint(const std::filesystem::path& folder);
 /// older ones (keep 0 removes all). Returns the folders removed.
 std::vector<std::filesystem::path> rotate_checkpoints(const std::filesystem::path& root, std::size_t keep);
 
+// ---------------------------------------------------------------- saving
+
+/// The hidden folder a save of `step` writes into:
+/// root/.step-00000100.tmp-<16 hex digits of nonce>. Every rank must use the
+/// same nonce (the caller draws it on one rank and shares it).
+std::filesystem::path checkpoint_staging_folder(const std::filesystem::path& root, std::int64_t step,
+                                                std::uint64_t nonce);
+
+/// Starts a save (one process): creates root if needed, clears what earlier
+/// interrupted saves left (remove_interrupted_saves) and creates the staging
+/// folder, which must not exist yet. Returns the staging folder; the ranks'
+/// files and then the manifest go into it. Throws zero::IoError naming the
+/// folder and the cause (read-only, no space, permission).
+std::filesystem::path begin_checkpoint(const std::filesystem::path& root, std::int64_t step, std::uint64_t nonce);
+
+/// Ends a save (one process, once the manifest is in the staging folder):
+/// puts the staging folder in place of root/step-<step> and fsyncs root.
+/// When that folder exists (a step saved again), the two are exchanged in one
+/// renameat2(RENAME_EXCHANGE) and the old one is removed afterwards, so some
+/// complete checkpoint of the step is in place at every moment. A file system
+/// without RENAME_EXCHANGE gets two renames: the old folder first becomes
+/// ".step-<step>.replaced-<nonce>", which remove_interrupted_saves puts back
+/// if the process dies before the new one is in place. Throws zero::IoError
+/// when the staging folder has no manifest, when the step folder is a
+/// symbolic link (nothing is replaced through a link) or a rename fails.
+/// Returns root/step-<step>.
+std::filesystem::path commit_checkpoint(const std::filesystem::path& staging, const std::filesystem::path& root,
+                                        std::int64_t step);
+
+/// Clears the hidden leftovers of saves that did not finish: staging folders
+/// are removed (remove_checkpoint: no link followed); a ".replaced-" folder is
+/// renamed back to its step folder when that is missing (a commit cut between
+/// its two renames), removed otherwise. Returns the folders removed. Call it
+/// only while no save into root is running (the trainer holds output_dir's lock).
+std::vector<std::filesystem::path> remove_interrupted_saves(const std::filesystem::path& root);
+
 // ---------------------------------------------------------------- shards
 
 /// Checks that the folder's rank files belong together: each opens as a
 /// safetensors file carrying Engine::save_state's metadata, file r says rank
 /// r, all have the same layout and step as rank 0, that world size and step
 /// agree with the manifest, and the state tensors have the shard's length.
-/// Throws zero::IoError naming the first file that does not.
+/// The manifest's step counts every optimizer step taken, applied or skipped
+/// for non-finite gradients: it must equal the shard's applied steps plus its
+/// skipped ones (SavedShard::step + skipped_steps). Throws zero::IoError
+/// naming the first file that does not, with both values.
 void verify_checkpoint_shards(const std::filesystem::path& folder, const CheckpointManifest& manifest);
 
 struct ConsolidateOptions {

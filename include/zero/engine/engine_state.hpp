@@ -20,7 +20,10 @@ struct SavedShard {
   int rank = 0;
   int world_size = 1;
   int stage = 0;
-  std::int64_t step = 0;
+  std::int64_t step = 0;  // optimizer steps applied
+  /// Optimizer steps skipped for non-finite gradients (0 in files written
+  /// before they were counted): step + skipped_steps is every step taken.
+  std::int64_t skipped_steps = 0;
   std::string param_dtype;  // fp32, bf16, fp16
   std::string optimizer;    // adamw, sgd, lion
   int state_slots = 0;

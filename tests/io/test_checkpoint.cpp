@@ -283,6 +283,101 @@ TEST_CASE("checkpoint folders: listing, verification, rotation") {
   CHECK(left[0].step == 1000);
 }
 
+TEST_CASE("checkpoint folders: links are refused, never followed to delete") {
+  TempDir other, root;
+  const fs::path theirs = checkpoint_folder(other.path(), 5);
+  fs::create_directories(theirs);
+  write_text(theirs / "rank-00000.safetensors", "another run's shard");
+  write_text(theirs / "manifest.json", "{}");
+  fs::create_directory_symlink(theirs, checkpoint_folder(root.path(), 1));
+  const std::string e = io_error_of([&] { list_complete_checkpoints(root.path()); });
+  CHECK(e.find("step-00000001 is a symbolic link (to " + theirs.string() + ")") != std::string::npos);
+  CHECK_THROWS_AS(rotate_checkpoints(root.path(), 0), IoError);
+  CHECK(io_error_of([&] { remove_checkpoint(checkpoint_folder(root.path(), 1)); }).find("is a symbolic link") !=
+        std::string::npos);
+  CHECK(fs::exists(theirs / "rank-00000.safetensors"));
+  CHECK(fs::exists(theirs / "manifest.json"));
+  // A link inside a folder being removed goes, its target stays.
+  fs::remove(checkpoint_folder(root.path(), 1));
+  const fs::path mine = checkpoint_folder(root.path(), 2);
+  fs::create_directories(mine);
+  fs::create_symlink(theirs / "rank-00000.safetensors", mine / "rank-00000.safetensors");
+  remove_checkpoint(mine);
+  CHECK(!fs::exists(fs::symlink_status(mine)));
+  CHECK(read_text(theirs / "rank-00000.safetensors") == "another run's shard");
+}
+
+TEST_CASE("checkpoint saves: staging folder, commit, leftovers") {
+  TempDir root;
+  auto save = [&](std::int64_t step, std::uint64_t nonce, const std::string& text, bool commit) {
+    const fs::path staging = begin_checkpoint(root.path(), step, nonce);
+    CHECK(staging == checkpoint_staging_folder(root.path(), step, nonce));
+    CHECK(staging.filename().string().rfind("." + checkpoint_folder_name(step) + ".tmp-", 0) == 0);
+    CheckpointManifest m = sample_manifest(1);
+    m.step = step;
+    write_text(staging / rank_file_name(0), text);
+    m.files[0] = {rank_file_name(0), text.size(), crc32c(text)};
+    if (!commit) return staging;
+    write_manifest(staging, m);
+    return commit_checkpoint(staging, root.path(), step);
+  };
+  CHECK(save(10, 1, "first", true) == checkpoint_folder(root.path(), 10));
+  // An interrupted save of the same step: the old checkpoint is untouched,
+  // the leftover is hidden, listed as interrupted, never as a checkpoint.
+  const fs::path leftover = save(10, 2, "second, cut short", false);
+  CHECK(read_text(checkpoint_folder(root.path(), 10) / rank_file_name(0)) == "first");
+  CheckpointScan scan = scan_checkpoints(root.path());
+  REQUIRE(scan.complete.size() == 1);
+  REQUIRE(scan.interrupted.size() == 1);
+  CHECK(scan.interrupted[0].path == leftover);
+  CHECK(scan.interrupted[0].step == 10);
+  CHECK(scan.incomplete.empty());
+  // A commit without a manifest is refused.
+  CHECK(io_error_of([&] { commit_checkpoint(leftover, root.path(), 10); }).find("has no manifest.json") !=
+        std::string::npos);
+  // The next save clears the leftover and replaces step 10 whole.
+  save(10, 3, "third", true);
+  CHECK(read_text(checkpoint_folder(root.path(), 10) / rank_file_name(0)) == "third");
+  scan = scan_checkpoints(root.path());
+  CHECK(scan.complete.size() == 1);
+  CHECK(scan.interrupted.empty());
+  CHECK(root.entries().size() == 1);
+  // A commit cut between the two renames of the fallback (no RENAME_EXCHANGE):
+  // the old checkpoint is put back by the next save's cleanup.
+  const fs::path aside = root / ".step-00000010.replaced-0000000000000004";
+  fs::rename(checkpoint_folder(root.path(), 10), aside);
+  CHECK(list_complete_checkpoints(root.path()).empty());
+  CHECK(remove_interrupted_saves(root.path()).empty());
+  CHECK(read_text(checkpoint_folder(root.path(), 10) / rank_file_name(0)) == "third");
+  // ... and removed when the step folder is there.
+  fs::create_directories(aside);
+  const auto removed = remove_interrupted_saves(root.path());
+  REQUIRE(removed.size() == 1);
+  CHECK(removed[0] == aside);
+  CHECK(!fs::exists(aside));
+  // An old-style interrupted save (a step folder without manifest) is replaced whole.
+  fs::create_directories(checkpoint_folder(root.path(), 20));
+  write_text(checkpoint_folder(root.path(), 20) / rank_file_name(0), "half");
+  CHECK(scan_checkpoints(root.path()).incomplete.size() == 1);
+  save(20, 5, "whole", true);
+  CHECK(read_text(checkpoint_folder(root.path(), 20) / rank_file_name(0)) == "whole");
+  CHECK(scan_checkpoints(root.path()).incomplete.empty());
+  // A step folder that is a link is never replaced through.
+  TempDir other;
+  fs::create_directories(other / "target");
+  fs::create_directory_symlink(other / "target", checkpoint_folder(root.path(), 30));
+  const fs::path staging = checkpoint_staging_folder(root.path(), 30, 6);
+  fs::create_directories(staging);
+  CheckpointManifest m = sample_manifest(1);
+  m.step = 30;
+  write_text(staging / rank_file_name(0), "x");
+  m.files[0] = {rank_file_name(0), 1, crc32c(std::string("x"))};
+  write_manifest(staging, m);
+  CHECK(io_error_of([&] { commit_checkpoint(staging, root.path(), 30); }).find("is a symbolic link") !=
+        std::string::npos);
+  CHECK(fs::is_empty(other / "target"));
+}
+
 TEST_CASE("read_manifest: oversized and unreadable files are refused, named") {
   TempDir dir;
   write_text(dir / "manifest.json", std::string(kMaxManifestBytes + 1, ' '));

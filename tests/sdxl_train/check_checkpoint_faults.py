@@ -9,9 +9,10 @@ only; black-box: drives the trainer and reads the files it leaves).
 a. Killed during a save (ZERO_FAULT_KILL_DURING_WRITE, see
    include/zero/io/atomic_file.hpp): rank 1 while it writes its shard, then
    rank 0 while it writes manifest.json. mpirun exits non-zero within the
-   communicator timeout; the step-4 folder has no manifest and no partial file
-   under a final name; --resume latest resumes from step 2 and its losses equal
-   an uninterrupted run's bit for bit. Rank 1 stopped (SIGSTOP,
+   communicator timeout; there is no step-4 folder, only a hidden staging
+   folder (.step-00000004.tmp-*) without manifest and without a partial file
+   under a final name; --resume latest resumes from step 2, its losses equal
+   an uninterrupted run's bit for bit, and its step-4 save clears the leftover. Rank 1 stopped (SIGSTOP,
    ZERO_FAULT_STOP_DURING_WRITE) in its shard: rank 0's wait in the save ends
    by the communicator timeout and every rank exits.
 b. Read-only target: the checkpoints folder is a tmpfs remounted read-only
@@ -28,7 +29,9 @@ d. Non-finite gradients (ZERO_FAULT_NAN_GRAD_STEPS, a NaN in one gradient
    element on rank 1): 2 poisoned steps in a row with max_nonfinite_steps = 3
    are skipped, counted in metrics.jsonl, logged, and the run finishes with
    finite losses and the same weights as before the skips; 3 in a row stop the
-   run with a message naming the limit, every rank gone, non-zero exit.
+   run with a message naming the limit, every rank gone, non-zero exit. The
+   checkpoint after the skipped steps resumes (its manifest's step counts
+   them, its shards count them apart).
 
 Exit 77 (skipped) only if neither mounting nor the fallbacks can make b and c
 fail; every case that can run still does first. ZERO_TEST_NO_MOUNT=1 forces
@@ -188,14 +191,25 @@ def fingerprint(out, step):
     return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
 
 
+def staging_folder(out, step):
+    """The hidden folder an interrupted save of `step` left (.step-<step>.tmp-<nonce>), or None."""
+    root = os.path.join(out, "checkpoints")
+    found = [n for n in os.listdir(root) if n.startswith(f".step-{step:08d}.tmp-")] if os.path.isdir(root) else []
+    return os.path.join(root, found[0]) if len(found) == 1 else None
+
+
 def check_interrupted_folder(out, step, what):
-    """No manifest; every file under a final name is complete; hidden ones are temporaries."""
-    d = ckpt(out, step)
-    names = sorted(os.listdir(d)) if os.path.isdir(d) else []
-    check("manifest.json" not in names, f"{what}: step-{step} has no manifest.json ({', '.join(names) or 'empty'})")
+    """The save went to a hidden staging folder: no step-<step> folder; in the staging
+    folder no manifest, every file under a final name complete, hidden ones temporaries."""
+    check(not os.path.exists(ckpt(out, step)), f"{what}: no step-{step} folder (the save never got that far)")
+    d = staging_folder(out, step)
+    if not check(d is not None, f"{what}: the interrupted save left one hidden staging folder for step {step}"):
+        return []
+    names = sorted(os.listdir(d))
+    check("manifest.json" not in names, f"{what}: the staging folder has no manifest.json ({', '.join(names) or 'empty'})")
     visible = [n for n in names if not n.startswith(".")]
     check(all(n.endswith(".safetensors") and safetensors_complete(os.path.join(d, n)) for n in visible),
-          f"{what}: every file under a final name in step-{step} is complete ({', '.join(visible) or 'none'})")
+          f"{what}: every file under a final name in the staging folder is complete ({', '.join(visible) or 'none'})")
     return [n for n in names if n.startswith(".")]
 
 
@@ -208,6 +222,8 @@ def check_resume(out, reference, what, expect_from=2):
           f"{what}: resumed from the step-{expect_from} checkpoint")
     got, _ = losses(out)
     check(sorted(got) == list(range(1, STEPS + 1)), f"{what}: every step logged once after resuming")
+    check(staging_folder(out, 4) is None and os.path.isdir(ckpt(out, 4)),
+          f"{what}: the resumed run's step-4 save cleared what the interrupted one left")
     check(all(got.get(s) == reference[s] for s in range(expect_from + 1, STEPS + 1)),
           f"{what}: losses of steps {expect_from + 1}-{STEPS} equal the uninterrupted run's bit for bit")
 
@@ -277,8 +293,10 @@ print(f"  one checkpoint: {checkpoint_bytes} bytes ({shard_bytes} per shard)")
 CASES = os.environ.get("ZERO_TEST_CASES", "abcd")
 
 # a. Killed while writing rank 1's shard of step 4, then rank 0's manifest.
-for what, target, victim_file in (("kill rank 1 in its shard", "step-00000004/rank-00001.safetensors", "rank-00001.safetensors"),
-                                  ("kill rank 0 in the manifest", "step-00000004/manifest.json", "manifest.json")):
+# A process writes its file of every save under the same name, into another
+# staging folder each time: ":2" is its second write, the step-4 save.
+for what, target, victim_file in (("kill rank 1 in its shard", "rank-00001.safetensors:2", "rank-00001.safetensors"),
+                                  ("kill rank 0 in the manifest", "manifest.json:2", "manifest.json")):
     if "a" not in CASES:
         break
     out = fresh("killed-" + victim_file.split(".")[0])
@@ -287,12 +305,13 @@ for what, target, victim_file in (("kill rank 1 in its shard", "step-00000004/ra
                      says="shows the injected kill")
     check(checkpoint_complete(out, 2), f"{what}: the step-2 checkpoint is complete")
     hidden = check_interrupted_folder(out, 4, what)
-    check(victim_file not in os.listdir(ckpt(out, 4)), f"{what}: no {victim_file} under its final name")
+    staging = staging_folder(out, 4) or ckpt(out, 4)
+    check(not os.path.exists(os.path.join(staging, victim_file)), f"{what}: no {victim_file} under its final name")
     partial = [n for n in hidden if n.startswith("." + victim_file + ".tmp.")]
-    check(len(partial) == 1 and (victim_file == "manifest.json" or not safetensors_complete(os.path.join(ckpt(out, 4), partial[0]))),
+    check(len(partial) == 1 and (victim_file == "manifest.json" or not safetensors_complete(os.path.join(staging, partial[0]))),
           f"{what}: the killed write left a partial temporary file ({', '.join(partial) or 'none'})")
     if victim_file == "manifest.json":
-        check(all(safetensors_complete(os.path.join(ckpt(out, 4), f"rank-{r:05d}.safetensors")) for r in (0, 1)),
+        check(all(safetensors_complete(os.path.join(staging, f"rank-{r:05d}.safetensors")) for r in (0, 1)),
               f"{what}: both shards of step 4 were complete (only the manifest was missing)")
     check_resume(out, reference, what)
 
@@ -301,7 +320,7 @@ for what, target, victim_file in (("kill rank 1 in its shard", "step-00000004/ra
 if "a" in CASES:
     what = "rank 1 hangs in its shard"
     out = fresh("hung-rank-00001")
-    run = Run(out, env={"ZERO_FAULT_STOP_DURING_WRITE": "step-00000004/rank-00001.safetensors"},
+    run = Run(out, env={"ZERO_FAULT_STOP_DURING_WRITE": "rank-00001.safetensors:2"},
               failure="ZERO_FAULT_STOP_DURING_WRITE: stopping")
     check_failed_run(run, out, what, r"did not complete within", says="is the communicator timeout's")
     check(run.exit_after_failure is not None and run.exit_after_failure >= TIMEOUT_S - 1,
@@ -369,7 +388,7 @@ elif mount_ok:
     size = (checkpoint_bytes * 3 // 2 // 4096 + 4) * 4096
     with Tmpfs(ck, str(size)) as fs:
         run = Run(out, failure="No space left on device")
-        check_failed_run(run, out, what, r"cannot write '\S*step-00000004/rank-0000\d\.safetensors' .*No space left on device")
+        check_failed_run(run, out, what, r"cannot write '\S*step-00000004\.tmp-\S*/rank-0000\d\.safetensors' .*No space left on device")
         check(checkpoint_complete(out, 2), f"{what}: the step-2 checkpoint is complete")
         check_interrupted_folder(out, 4, what)
         check_clean_failures(run)
@@ -392,7 +411,7 @@ else:
             run.show()
             skipped.append("full disk")
         else:
-            check_failed_run(run, out, what, r"cannot write '\S*step-00000004/rank-0000\d\.safetensors' .*File too large")
+            check_failed_run(run, out, what, r"cannot write '\S*step-00000004\.tmp-\S*/rank-0000\d\.safetensors' .*File too large")
             check(checkpoint_complete(out, 2), f"{what}: the step-2 checkpoint is complete")
             check_clean_failures(run)
             check_resume(out, reference, what)
@@ -420,6 +439,11 @@ def nonfinite_case():
         same = [tensors(os.path.join(ckpt(out, 4), f)) == tensors(os.path.join(ckpt(out, 2), f))
                 for f in ("rank-00000.safetensors", "rank-00001.safetensors")]
         check(all(same), f"{what}: master weights, optimizer state and EMA after the skipped steps are bitwise those before")
+        # The manifest counts the skipped steps (step 4), the shards count them
+        # apart (2 applied + 2 skipped): the resume's cross-check accepts it.
+        run = Run(out, "--resume", "latest", "--max_nonfinite_steps", "3")
+        check(run.code == 0 and re.search(r"resumed from \S*step-00000004 at step 4\b", run.output) is not None,
+              f"{what}: the step-4 checkpoint (2 steps applied, 2 skipped) resumes at step 4")
     else:
         run.show()
     out = fresh("nan-stopped")

@@ -29,7 +29,7 @@ steps 2 and 4; N=2 for case 3, else N=1) is copied for each case.
    refused naming both; "resumed from" is not printed before a refused resume;
    an output_dir that cannot be created is refused before the model is built.
 
-ZERO_TEST_CASES=13 runs only some cases (CTest runs 1 and 2, 3 and 4, and 5 as three tests).
+ZERO_TEST_CASES=13 runs only some cases (CTest runs 1 and 2, 3, 4, 5 as four tests).
 """
 import json
 import os
@@ -111,8 +111,8 @@ def copy_of(source, name):
     return out
 
 
-def edit_manifest(out, step, **changes):
-    path = os.path.join(ckpt(out, step), "manifest.json")
+def edit_manifest(out, folder_step, **changes):
+    path = os.path.join(ckpt(out, folder_step), "manifest.json")
     manifest = json.load(open(path))
     manifest.update(changes)
     with open(path, "w") as f:

@@ -30,8 +30,9 @@ namespace zero::io {
 /// `<substring>` cuts its temporary file to half of the bytes written and
 /// sends SIGKILL to its own process at commit(), before the rename: what a
 /// process killed halfway through writing leaves on disk. Example, rank 1
-/// killed while writing its shard of the step-4 checkpoint:
-/// `ZERO_FAULT_KILL_DURING_WRITE=step-00000004/rank-00001`.
+/// killed while writing its shard of the trainer's second checkpoint (each
+/// save writes into its own staging folder, so the count tells them apart):
+/// `ZERO_FAULT_KILL_DURING_WRITE=rank-00001.safetensors:2`.
 /// `ZERO_FAULT_STOP_DURING_WRITE` (same syntax) sends SIGSTOP instead and
 /// leaves the file whole: a process hung in its write (a dead disk or network
 /// mount), for timeout tests; continued with SIGCONT it commits normally. The

@@ -46,10 +46,12 @@ void on_stop_signal(int signal) {
   // so that mpirun and shells report it as such.
   write_stderr("[rank ");
   write_stderr(g_rank_text);
-  write_stderr("] ");
+  write_stderr(signal == first ? "] second " : "] ");
   write_stderr(signal_name(signal));
-  write_stderr(" after ");
-  write_stderr(signal_name(first));
+  if (signal != first) {
+    write_stderr(" after ");
+    write_stderr(signal_name(first));
+  }
   write_stderr(": stopping at once, without a checkpoint\n");
   struct sigaction default_action {};
   default_action.sa_handler = SIG_DFL;

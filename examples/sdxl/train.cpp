@@ -492,10 +492,11 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
 enum class StepsEnd { finished, stopped_as_asked, stopped_by_signal };
 
 /// A stop signal reached some rank during step `done`: every rank checkpoints
-/// that step (a signal during the save waits for it), rank 0 says so.
+/// that step, rank 0 says so.
 void stop_after_signal(Run& run, const StepLoop& loop, std::int64_t done, int signal) {
   if (run.leader) {
-    std::printf("step %lld: %s received; writing a checkpoint, then stopping (another signal stops at once)\n",
+    std::printf("step %lld: %s received; writing a checkpoint, then stopping "
+                "(SIGINT again or another signal stops at once)\n",
                 static_cast<long long>(done), signal_name(signal));
     std::fflush(stdout);
   }
@@ -546,19 +547,19 @@ StepsEnd train_steps(Run& run) {
     m.images_per_s = static_cast<double>(run.world * cfg.batch_size * cfg.accumulation) / step_seconds;
     // GPU: what the driver reports in use; CPU: the engine's own peak.
     const std::size_t mem = run.runtime.memory_in_use().value_or(sharded.engine().peak_memory().total());
-    // The maximum carries the stop signal along (0: none): every rank sees
-    // the same value, so all stop after the same step, without a collective more.
-    double mem_range[3] = {static_cast<double>(mem), static_cast<double>(stop_signals.received()),
-                           static_cast<double>(mem)};
-    run.host_comm.all_reduce_host_f64(&mem_range[0], 2, zero::ReduceOp::max);
-    run.host_comm.all_reduce_host_f64(&mem_range[2], 1, zero::ReduceOp::min);
-    m.mem_max_bytes = mem_range[0];
-    m.mem_min_bytes = mem_range[2];
+    // The memory maximum carries the stop signal along (0: none), so every
+    // rank sees the same one and all stop after the same step, at no extra collective.
+    double maxima[2] = {static_cast<double>(mem), static_cast<double>(stop_signals.received())};
+    double minimum = static_cast<double>(mem);
+    run.host_comm.all_reduce_host_f64(maxima, 2, zero::ReduceOp::max);
+    run.host_comm.all_reduce_host_f64(&minimum, 1, zero::ReduceOp::min);
+    m.mem_max_bytes = maxima[0];
+    m.mem_min_bytes = minimum;
     m.loss = stats[0];
     run.metrics.loss_ema.update(m.loss);
     m.done = step + 1;
     if (run.leader) record_step(run, loop, m);
-    if (const int signal = static_cast<int>(mem_range[1]); signal != 0) {
+    if (const int signal = static_cast<int>(maxima[1]); signal != 0) {
       stop_after_signal(run, loop, m.done, signal);
       return StepsEnd::stopped_by_signal;
     }

@@ -34,6 +34,7 @@
 #include "metrics/progress.hpp"         // the progress line, Ema
 #include "metrics/tensorboard_writer.hpp"
 #include "profile_trace.hpp"            // Kineto trace of one step
+#include "stop_signals.hpp"             // SIGTERM/SIGINT/SIGUSR1: checkpoint and stop at a step boundary
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
 #include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
@@ -492,12 +493,34 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
   }
 }
 
-/// The steps from the resumed one to cfg.steps, with their checkpoints.
-/// Returns false when the run stopped early as asked (stop_after).
-bool train_steps(Run& run) {
+enum class StepsEnd { finished, stopped_as_asked, stopped_by_signal };
+
+/// A stop signal reached some rank during step `done`: every rank checkpoints
+/// that step, rank 0 says so.
+void stop_after_signal(Run& run, const StepLoop& loop, std::int64_t done, int signal) {
+  if (run.leader) {
+    std::printf("step %lld: %s received; writing a checkpoint, then stopping "
+                "(SIGINT again or another signal stops at once)\n",
+                static_cast<long long>(done), signal_name(signal));
+    std::fflush(stdout);
+  }
+  save_checkpoint(run.cfg, done, run.sharded(), run.runtime.communicator(), loop.sampler_state, run.host_comm);
+  if (run.leader) {
+    std::printf("stopped after step %lld on %s: checkpoint written under %s/checkpoints; resume with --resume latest "
+                "(exit code %d)\n",
+                static_cast<long long>(done), signal_name(signal), run.cfg.output_dir.c_str(), kExitStoppedBySignal);
+    std::fflush(stdout);
+  }
+}
+
+/// The steps from the resumed one to cfg.steps, with their checkpoints. Ends
+/// early after stop_after steps, or after the step during which a rank got
+/// SIGTERM, SIGINT or SIGUSR1 (with a checkpoint of that step).
+StepsEnd train_steps(Run& run) {
   const TrainConfig& cfg = run.cfg;
   zero::adapter::ShardedModel& sharded = run.sharded();
   StepLoop loop(run);
+  const StopSignals stop_signals(run.host_comm.rank());
   for (std::int64_t step = run.data.resumed.step; step < cfg.steps; ++step) {
     const bool profiling = run.leader && cfg.profile_step == step + 1;
     if (profiling) {
@@ -528,27 +551,34 @@ bool train_steps(Run& run) {
     m.images_per_s = static_cast<double>(run.world * cfg.batch_size * cfg.accumulation) / step_seconds;
     // GPU: what the driver reports in use; CPU: the engine's own peak.
     const std::size_t mem = run.runtime.memory_in_use().value_or(sharded.engine().peak_memory().total());
-    double mem_range[2] = {static_cast<double>(mem), static_cast<double>(mem)};
-    run.host_comm.all_reduce_host_f64(&mem_range[0], 1, zero::ReduceOp::max);
-    run.host_comm.all_reduce_host_f64(&mem_range[1], 1, zero::ReduceOp::min);
-    m.mem_max_bytes = mem_range[0];
-    m.mem_min_bytes = mem_range[1];
+    // The memory maximum carries the stop signal along (0: none), so every
+    // rank sees the same one and all stop after the same step, at no extra collective.
+    double maxima[2] = {static_cast<double>(mem), static_cast<double>(stop_signals.received())};
+    double minimum = static_cast<double>(mem);
+    run.host_comm.all_reduce_host_f64(maxima, 2, zero::ReduceOp::max);
+    run.host_comm.all_reduce_host_f64(&minimum, 1, zero::ReduceOp::min);
+    m.mem_max_bytes = maxima[0];
+    m.mem_min_bytes = minimum;
     m.loss = stats[0];
     run.metrics.loss_ema.update(m.loss);
     m.done = step + 1;
     if (run.leader) record_step(run, loop, m);
+    if (const int signal = static_cast<int>(maxima[1]); signal != 0) {
+      stop_after_signal(run, loop, m.done, signal);
+      return StepsEnd::stopped_by_signal;
+    }
     if (cfg.stop_after > 0 && m.done == cfg.stop_after && m.done < cfg.steps) {
       save_checkpoint(cfg, m.done, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
       if (run.leader)
         std::printf("stopped after step %lld as asked; resume with --resume latest\n", static_cast<long long>(m.done));
-      return false;
+      return StepsEnd::stopped_as_asked;
     }
     if (cfg.checkpoint_every > 0 && m.done % cfg.checkpoint_every == 0 && m.done < cfg.steps)
       save_checkpoint(cfg, m.done, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
   }
   if (cfg.save_final && run.data.resumed.step < cfg.steps)
     save_checkpoint(cfg, cfg.steps, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
-  return true;
+  return StepsEnd::finished;
 }
 
 // ------------------------------------------------------------------ export
@@ -602,7 +632,9 @@ int main(int argc, char** argv) {
 
     Run run{.cfg = cfg, .host_comm = host_comm, .runtime = runtime, .model = model, .faults = faults,
             .data = data, .metrics = metrics, .world = host_comm.size(), .leader = leader};
-    if (!train_steps(run)) return 0;
+    const StepsEnd end = train_steps(run);
+    if (end == StepsEnd::stopped_by_signal) return kExitStoppedBySignal;
+    if (end == StepsEnd::stopped_as_asked) return 0;
     if (cfg.export_unet) export_trained_model(run);
     return 0;
   });

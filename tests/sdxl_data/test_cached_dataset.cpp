@@ -324,3 +324,47 @@ TEST_CASE("cached dataset: every corruption is an IoError naming the file") {
     expect_io_error(d, "index.json", {"missing"});
   }
 }
+
+TEST_CASE("cached dataset: a shard that changes on disk after open is an IoError naming it, never a crash") {
+  // Shards are read with pread, not memory-mapped: a truncated mapping would
+  // kill the process with SIGBUS at the first access past the new end.
+  TempDir dir;
+  const auto& d = dir.path();
+  const Written written = write_dataset(d, 10, small_options(), 11);  // shards 0, 1 (4 each), 2 (2)
+  const auto dataset = CachedDataset::open(d);
+  const std::filesystem::path shard1 = d / shard_file_name(1);
+  const std::uintmax_t size = std::filesystem::file_size(shard1);
+  const Sample before = dataset->sample(5);
+
+  auto expect_read_error = [&](std::size_t sample, const std::vector<std::string>& fragments) {
+    try {
+      (void)dataset->sample(sample);
+      FAIL("sample(" << sample << ") succeeded; expected an IoError naming " << shard1.string());
+    } catch (const zero::IoError& e) {
+      const std::string message = e.what();
+      INFO("message: " << message);
+      if (std::getenv("SDXL_DATA_SHOW_ERRORS")) MESSAGE(message);
+      CHECK(message.find(shard1.string()) != std::string::npos);
+      for (const std::string& fragment : fragments) CHECK(message.find(fragment) != std::string::npos);
+    }
+  };
+  SUBCASE("truncated") {
+    std::filesystem::resize_file(shard1, 64);
+    for (std::size_t i = 4; i < 8; ++i)
+      expect_read_error(i, {"sample " + std::to_string(i), "is now 64 bytes", "records " + std::to_string(size),
+                            "truncated or rewritten while training"});
+    // The other shards are intact and still read.
+    CHECK(dataset->sample(0).latents == rounded(written.samples[0].latents, zero::DType::fp16));
+    CHECK(dataset->sample(9).latents == rounded(written.samples[9].latents, zero::DType::fp16));
+  }
+  SUBCASE("grown: a sample whose bytes are still there is refused too") {
+    std::ofstream(shard1, std::ios::binary | std::ios::app) << "appended";
+    expect_read_error(5, {"sample 5", "is now " + std::to_string(size + 8) + " bytes"});
+  }
+  SUBCASE("replaced by a rename: the file that was validated is read on") {
+    write_dataset(d / "other", 10, small_options(), 12);
+    std::filesystem::rename(d / "other" / shard_file_name(1), shard1);
+    CHECK(dataset->sample(5).latents == before.latents);
+    CHECK(dataset->sample(5).prompt_embeds == before.prompt_embeds);
+  }
+}

@@ -1,5 +1,12 @@
 #include "data/cached_dataset.hpp"
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -103,7 +110,35 @@ std::array<float, kTimeIdCount> SampleRecord::time_ids() const {
 
 // ---------------------------------------------------------------- reader
 
-CachedDataset::~CachedDataset() = default;
+CachedDataset::~CachedDataset() {
+  for (int fd : shard_fds_)
+    if (fd >= 0) ::close(fd);
+}
+
+namespace {
+
+/// Every shard stays open (one descriptor each) for the whole run. Raises the
+/// soft limit on open files toward the hard one when the shards need it,
+/// leaving room for what else the process opens (MPI, checkpoints, metrics).
+void reserve_file_descriptors(std::size_t shards, const std::filesystem::path& directory) {
+  constexpr rlim_t kHeadroom = 256;
+  const rlim_t needed = static_cast<rlim_t>(shards) + kHeadroom;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return;
+  if (limit.rlim_max != RLIM_INFINITY && limit.rlim_max < needed)
+    ZERO_THROW(zero::IoError, "cached dataset '", directory.string(), "' has ", shards,
+               " shards, each kept open while training, but this process may open at most ", limit.rlim_max,
+               " files (hard limit, ulimit -Hn); raise it, or rewrite the dataset with more samples per shard");
+  limit.rlim_cur = needed;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    const int error = errno;
+    ZERO_THROW(zero::IoError, "cached dataset '", directory.string(), "' has ", shards,
+               " shards, each kept open while training; raising the open-file limit to ", needed,
+               " failed: ", std::strerror(error));
+  }
+}
+
+}  // namespace
 
 std::unique_ptr<CachedDataset> CachedDataset::open(const std::filesystem::path& directory) {
   std::unique_ptr<CachedDataset> dataset(new CachedDataset());
@@ -112,7 +147,9 @@ std::unique_ptr<CachedDataset> CachedDataset::open(const std::filesystem::path& 
   // Sample indices per shard, so that validation is linear in the sample count.
   std::vector<std::vector<std::size_t>> members(dataset->shards_.size());
   for (std::size_t i = 0; i < dataset->records_.size(); ++i) members[dataset->records_[i].shard].push_back(i);
-  dataset->files_.resize(dataset->shards_.size());
+  reserve_file_descriptors(dataset->shards_.size(), directory);
+  dataset->locations_.resize(dataset->records_.size());
+  dataset->shard_fds_.assign(dataset->shards_.size(), -1);
   for (std::size_t s = 0; s < dataset->shards_.size(); ++s) dataset->validate_shard(s, members[s]);
   return dataset;
 }
@@ -251,36 +288,59 @@ void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<st
   if (!std::filesystem::is_regular_file(path, error))
     SDXL_BAD_FILE(path, "missing shard (index.json lists it with ", shard.num_samples, " samples, ",
                   shard.size, " bytes)");
-  const std::uint64_t size = std::filesystem::file_size(path, error);
-  if (error) SDXL_BAD_FILE(path, "cannot stat: ", error.message());
+  // The descriptor the samples will be read from, opened first: what is
+  // validated below must be the file behind it (checked by inode after).
+  // O_NONBLOCK: a FIFO put in a shard's place must fail, not block.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int open_error = errno;
+    SDXL_BAD_FILE(path, "cannot open: ", std::strerror(open_error));
+  }
+  shard_fds_[shard_index] = fd;  // closed by the destructor, also when validation throws
+  struct stat opened {};
+  if (::fstat(fd, &opened) != 0) {
+    const int stat_error = errno;
+    SDXL_BAD_FILE(path, "cannot stat: ", std::strerror(stat_error));
+  }
+  if (!S_ISREG(opened.st_mode)) SDXL_BAD_FILE(path, "is not a regular file");
+  const auto size = static_cast<std::uint64_t>(opened.st_size);
   if (size != shard.size)
     SDXL_BAD_FILE(path, "is ", size, " bytes but index.json records ", shard.size,
                   " (truncated, or replaced after the index was written)");
 
-  auto file = std::make_unique<zero::io::SafeTensorsFile>(zero::io::SafeTensorsFile::open(path));
+  // The header is validated through a short-lived mapping; samples are read
+  // with pread (sample()), so nothing stays mapped.
+  const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(path);
+  struct stat now {};
+  if (::stat(path.c_str(), &now) != 0 || now.st_ino != opened.st_ino || now.st_dev != opened.st_dev ||
+      file.file_size() != size)
+    SDXL_BAD_FILE(path, "was replaced or changed while the dataset was being opened; open it again");
   const std::size_t expected_tensors = 3 * shard.num_samples;
-  if (file->tensors().size() != expected_tensors)
-    SDXL_BAD_FILE(path, "holds ", file->tensors().size(), " tensors, expected ", expected_tensors,
+  if (file.tensors().size() != expected_tensors)
+    SDXL_BAD_FILE(path, "holds ", file.tensors().size(), " tensors, expected ", expected_tensors,
                   " (3 per sample for the ", shard.num_samples, " samples index.json assigns to it)");
 
   auto check = [&](const SampleRecord& record, std::size_t sample_index, const std::string& suffix,
                    const std::vector<std::int64_t>& expected) {
     const std::string name = record.key + suffix;
-    const zero::io::TensorInfo* info = file->find(name);
+    const zero::io::TensorInfo* info = file.find(name);
     if (!info) SDXL_BAD_FILE(path, "no tensor '", name, "' for sample ", sample_index);
-    if (!zero::io::to_dtype(info->dtype))
+    const std::optional<zero::DType> dtype = zero::io::to_dtype(info->dtype);
+    if (!dtype)
       SDXL_BAD_FILE(path, "tensor '", name, "' has dtype ", info->dtype, ", expected F16, BF16 or F32");
     if (info->shape != expected)
       SDXL_BAD_FILE(path, "tensor '", name, "' has shape ", shape_text(info->shape), ", expected ",
                     shape_text(expected), " (from index.json)");
+    return TensorLocation{.offset = info->data_offset, .bytes = info->byte_size, .dtype = *dtype};
   };
   for (std::size_t i : members) {
     const SampleRecord& record = records_[i];
-    check(record, i, ".latents", {kLatentChannels, record.latent_size.height, record.latent_size.width});
-    check(record, i, ".prompt_embeds", {text_dims_.sequence_length, text_dims_.width});
-    check(record, i, ".pooled_prompt_embeds", {text_dims_.pooled_width});
+    SampleLocation& where = locations_[i];
+    where.latents =
+        check(record, i, ".latents", {kLatentChannels, record.latent_size.height, record.latent_size.width});
+    where.prompt_embeds = check(record, i, ".prompt_embeds", {text_dims_.sequence_length, text_dims_.width});
+    where.pooled_prompt_embeds = check(record, i, ".pooled_prompt_embeds", {text_dims_.pooled_width});
   }
-  files_[shard_index] = std::move(file);
 }
 
 const SampleRecord& CachedDataset::record(std::size_t i) const {
@@ -290,16 +350,100 @@ const SampleRecord& CachedDataset::record(std::size_t i) const {
 
 LatentSize CachedDataset::bucket_of(std::size_t i) const { return record(i).latent_size; }
 
+void CachedDataset::check_shard_size(std::size_t shard, std::size_t sample_index) const {
+  struct stat now {};
+  if (::fstat(shard_fds_[shard], &now) != 0) {
+    const int error = errno;
+    SDXL_BAD_FILE(directory_ / shards_[shard].file, "cannot stat while reading sample ", sample_index, ": ",
+                  std::strerror(error));
+  }
+  if (static_cast<std::uint64_t>(now.st_size) != shards_[shard].size)
+    SDXL_BAD_FILE(directory_ / shards_[shard].file, "is now ", now.st_size, " bytes but index.json records ",
+                  shards_[shard].size, ": truncated or rewritten while training; cannot read sample ",
+                  sample_index, " (key '", records_[sample_index].key, "')");
+}
+
+void CachedDataset::read_bytes(std::size_t sample_index, std::uint64_t offset, std::span<std::byte> into,
+                               const std::string& what) const {
+  const std::size_t shard = records_[sample_index].shard;
+  std::size_t done = 0;
+  while (done < into.size()) {
+    const ssize_t got = ::pread(shard_fds_[shard], into.data() + done, into.size() - done,
+                                static_cast<off_t>(offset + done));
+    if (got > 0) {
+      done += static_cast<std::size_t>(got);
+      continue;
+    }
+    if (got < 0 && errno == EINTR) continue;
+    const int error = got < 0 ? errno : 0;
+    struct stat now {};
+    const long long size = ::fstat(shard_fds_[shard], &now) == 0 ? static_cast<long long>(now.st_size) : -1;
+    SDXL_BAD_FILE(directory_ / shards_[shard].file, "reading ", what, " of sample ", sample_index, " (",
+                  into.size(), " bytes at offset ", offset, ") failed: ",
+                  error ? std::strerror(error) : "the file ends before them", "; the file is now ", size,
+                  " bytes, index.json records ", shards_[shard].size,
+                  (error ? "" : " (truncated or rewritten while training)"));
+  }
+}
+
+namespace {
+
+/// A tensor's elements as float, from its bytes in the file's little-endian
+/// layout (not aligned in general: a span read holds several tensors).
+std::vector<float> to_float32(const std::byte* bytes, std::uint64_t byte_count, zero::DType dtype) {
+  const std::size_t count = static_cast<std::size_t>(byte_count / zero::size_of(dtype));
+  std::vector<float> out(count);
+  if (dtype == zero::DType::fp32) {
+    if (count) std::memcpy(out.data(), bytes, count * sizeof(float));
+    return out;
+  }
+  for (std::size_t k = 0; k < count; ++k) {
+    std::uint16_t bits;
+    std::memcpy(&bits, bytes + 2 * k, sizeof bits);
+    out[k] = dtype == zero::DType::bf16 ? zero::bf16_bits_to_float(bits) : zero::fp16_bits_to_float(bits);
+  }
+  return out;
+}
+
+}  // namespace
+
 Sample CachedDataset::sample(std::size_t i) const {
   const SampleRecord& rec = record(i);
-  const zero::io::SafeTensorsFile& file = *files_[rec.shard];
+  const SampleLocation& where = locations_[i];
+  // Once per sample: a shard that changed size is reported even when this
+  // sample's bytes still lie inside it (its content may have changed too).
+  check_shard_size(rec.shard, i);
   Sample sample;
   sample.index = i;
-  sample.latents = file.read_as_float32(rec.key + ".latents");
+  const TensorLocation* parts[] = {&where.latents, &where.prompt_embeds, &where.pooled_prompt_embeds};
+  const char* suffixes[] = {".latents", ".prompt_embeds", ".pooled_prompt_embeds"};
+  std::vector<float>* values[] = {&sample.latents, &sample.prompt_embeds, &sample.pooled_prompt_embeds};
+  std::uint64_t begin = parts[0]->offset, end = 0, total = 0;
+  for (const TensorLocation* t : parts) {
+    begin = std::min(begin, t->offset);
+    end = std::max(end, t->offset + t->bytes);
+    total += t->bytes;
+  }
+  // The writers put a sample's three tensors one after the other: then one
+  // read fetches them all (each read is a system call).
+  constexpr std::uint64_t kMaxGapBytes = 4096;
+  // Kept per thread: a fresh buffer of SDXL's ~450 KiB per sample would be a
+  // fresh mapping from malloc each time, its pages faulted in on every read.
+  thread_local std::vector<std::byte> raw;
+  if (end - begin <= total + kMaxGapBytes) {
+    raw.resize(static_cast<std::size_t>(end - begin));
+    read_bytes(i, begin, raw, "the tensors");
+    for (std::size_t k = 0; k < 3; ++k)
+      *values[k] = to_float32(raw.data() + (parts[k]->offset - begin), parts[k]->bytes, parts[k]->dtype);
+  } else {
+    for (std::size_t k = 0; k < 3; ++k) {
+      raw.resize(static_cast<std::size_t>(parts[k]->bytes));
+      read_bytes(i, parts[k]->offset, raw, "tensor '" + rec.key + suffixes[k] + "'");
+      *values[k] = to_float32(raw.data(), parts[k]->bytes, parts[k]->dtype);
+    }
+  }
   sample.latent_shape = {kLatentChannels, rec.latent_size.height, rec.latent_size.width};
-  sample.prompt_embeds = file.read_as_float32(rec.key + ".prompt_embeds");
   sample.prompt_embeds_shape = {text_dims_.sequence_length, text_dims_.width};
-  sample.pooled_prompt_embeds = file.read_as_float32(rec.key + ".pooled_prompt_embeds");
   sample.time_ids = rec.time_ids();
   sample.caption = rec.caption;
   return sample;

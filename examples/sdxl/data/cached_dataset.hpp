@@ -15,15 +15,12 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "data/dataset.hpp"
 #include "zero/core/dtype.hpp"
-
-namespace zero::io {
-class SafeTensorsFile;
-}
 
 namespace sdxl::data {
 
@@ -67,8 +64,16 @@ struct ShardRecord {
 /// that each shard is a valid safetensors file holding exactly the tensors of
 /// its samples, with the recorded shapes and a float dtype (F16, BF16, F32).
 /// Any defect is a zero::IoError naming the file and what was expected. After
-/// that, sample() only converts bytes, so a training run cannot fail on a bad
-/// sample hours in. Shards are memory-mapped; opening reads only headers.
+/// that, sample() only reads and converts bytes, so a training run cannot fail
+/// on a bad sample hours in. Opening reads only headers.
+///
+/// Shards are read with pread() into buffers, never memory-mapped: a shard
+/// truncated or rewritten while a run reads it (on disk, by another process)
+/// must be an IoError naming the shard, the sample and both sizes, not a
+/// SIGBUS that kills the rank without a word. Each open shard holds one file
+/// descriptor (the soft RLIMIT_NOFILE is raised toward the hard one when the
+/// shard count needs it); a shard replaced by rename keeps being read from
+/// the file that was validated.
 class CachedDataset final : public Dataset {
  public:
   static std::unique_ptr<CachedDataset> open(const std::filesystem::path& directory);
@@ -89,15 +94,32 @@ class CachedDataset final : public Dataset {
 
  private:
   CachedDataset() = default;
+  // Where one tensor of a sample lies in its shard, as validated by open().
+  struct TensorLocation {
+    std::uint64_t offset = 0;  // from the start of the file
+    std::uint64_t bytes = 0;
+    zero::DType dtype = zero::DType::fp32;
+  };
+  struct SampleLocation {
+    TensorLocation latents, prompt_embeds, pooled_prompt_embeds;
+  };
+
   void load_index();
   void validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members);
+  /// Throws IoError unless shard `shard` still has the size index.json records.
+  void check_shard_size(std::size_t shard, std::size_t sample_index) const;
+  /// pread of `into.size()` bytes at `offset` of sample_index's shard; a short
+  /// read is an IoError naming the shard, the sample, `what` and both sizes.
+  void read_bytes(std::size_t sample_index, std::uint64_t offset, std::span<std::byte> into,
+                  const std::string& what) const;
 
   std::filesystem::path directory_;
   TextDims text_dims_;
   double vae_scaling_factor_ = kSdxlVaeScalingFactor;
   std::vector<ShardRecord> shards_;
   std::vector<SampleRecord> records_;
-  std::vector<std::unique_ptr<zero::io::SafeTensorsFile>> files_;
+  std::vector<SampleLocation> locations_;  // per sample, parallel to records_
+  std::vector<int> shard_fds_;              // per shard, -1 until opened; closed by the destructor
 };
 
 struct CachedDatasetWriterOptions {

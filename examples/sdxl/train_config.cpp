@@ -367,7 +367,8 @@ void TrainConfig::validate() const {
              shard_group_size);
   // The engine's buckets are whole bytes: below one byte the engine would name its own option, not this one.
   ZERO_CHECK(std::isfinite(bucket_mib) && bucket_mib * (1 << 20) >= 1 && bucket_mib <= kMaxBucketMiB,
-             "bucket_mib ([zero]) must be a size in MiB in [1/1048576 (one byte), ", kMaxBucketMiB, "], got ",
+             "bucket_mib ([zero]) must be a size in MiB in [1/1048576 (one byte), ", static_cast<long long>(kMaxBucketMiB),
+             "], got ",
              bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);

@@ -368,6 +368,7 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   read_level_settings(v, c);
   read_embedding_settings(v, c);
   c.validate();
+  c.check_parameter_count();
   return c;
 }
 
@@ -450,6 +451,10 @@ void UNetConfig::check_limits() const {
   at_most(conv_in_kernel, L::kMaxKernel, "conv_in_kernel", "kMaxKernel");
   at_most(conv_out_kernel, L::kMaxKernel, "conv_out_kernel", "kMaxKernel");
   for (std::int64_t s : sample_size) ZERO_CHECK(s > 0, "UNet config: 'sample_size' must be positive, got ", s);
+}
+
+void UNetConfig::check_parameter_count() const {
+  using L = UNetLimits;
   // Every size within its limit keeps the count below 2^63; the total is what costs memory.
   const std::int64_t parameters = count_parameters(*this);
   ZERO_CHECK(parameters <= L::kMaxParameters, "UNet config: ", parameters, " parameters (",

@@ -93,11 +93,14 @@ struct UNetConfig {
   /// A diffusers-style config.json for this config (round-trips through from_json).
   std::string to_json() const;
 
-  /// Checks lengths, divisibility and the UNetLimits (each named in its
-  /// message), the parameter count included; from_json() and the model call it.
+  /// Checks lengths, divisibility and the per-field UNetLimits (each named in
+  /// its message); from_json() and the model call it.
   void validate() const;
   /// The UNetLimits part of validate() (lengths must already agree).
   void check_limits() const;
+  /// The parameter count within UNetLimits::kMaxParameters (from_json()
+  /// checks it after validate(); count_parameters() itself validates).
+  void check_parameter_count() const;
 
   // Derived values.
   std::int64_t time_embed_dim() const {

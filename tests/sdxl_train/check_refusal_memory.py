@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Refusing a hostile input costs memory in proportion to its size (issue #21, defect 10; stdlib only).
 
-  check_refusal_memory.py TRAIN MPIEXEC CONFIG WORKDIR [mpiexec flags...]
+  check_refusal_memory.py TRAIN CONFIG WORKDIR
 
-The trainer (one rank) is given generated adversarial inputs, each refused:
+The trainer (one process, MPI's singleton mode: no mpirun in the measured
+process tree) is given generated adversarial inputs, each refused:
 a TOML configuration over the size limit and one within it holding a
 250,000-element array; a UNet config.json (--model_config) over the size
 limit, one nested 500,000 deep, one holding a 400,000-element array; a
@@ -27,8 +28,7 @@ import subprocess
 import sys
 import time
 
-TRAIN, MPIEXEC, CONFIG, WORK = sys.argv[1:5]
-MPI_FLAGS = sys.argv[5:]
+TRAIN, CONFIG, WORK = sys.argv[1:4]
 failures = []
 MiB = 1 << 20
 
@@ -41,16 +41,16 @@ def check(condition, message):
 
 
 def run_refused(*overrides):
-    """Runs the trainer on one rank; returns (exit code, stderr, peak RSS of the process tree in bytes, seconds)."""
+    """Runs the trainer as one process; returns (exit code, stderr, its peak RSS in bytes, seconds)."""
     out = os.path.join(WORK, "run")
-    cmd = [MPIEXEC, "-np", "1", *MPI_FLAGS, TRAIN, "--output_dir", out, "--steps", "1", *overrides]
+    cmd = [TRAIN, "--output_dir", out, "--steps", "1", *overrides]
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # wait4 gives this child's own resource usage (its waited-for descendants
-    # included), unlike RUSAGE_CHILDREN, which keeps the maximum of every child so far.
-    stderr = b""
-    _, status, usage = os.wait4(proc.pid, 0)
+    # stderr is read before the wait: a long message must not block the child.
+    # wait4 gives this child's own resource usage, unlike RUSAGE_CHILDREN,
+    # which keeps the maximum of every child so far.
     stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
     proc.stderr.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, stderr.decode(errors="replace"), usage.ru_maxrss * 1024, time.time() - start
@@ -68,7 +68,7 @@ def safetensors_bytes(header_text, data=b""):
     return struct.pack("<Q", len(header)) + header + data
 
 
-def measure(kind, baseline, path, refusal, *overrides_of):
+def measure(kind, baseline, path, refusal, overrides_of):
     code, err, peak, seconds = run_refused(*overrides_of(path))
     size = os.path.getsize(path)
     grown = peak - baseline
@@ -84,53 +84,68 @@ def measure(kind, baseline, path, refusal, *overrides_of):
     check(seconds < 60, f"{kind}: refused in {seconds:.1f} s")
 
 
-def baseline_of(kind, path, *overrides):
+def baseline_of(kind, *overrides):
     code, err, peak, seconds = run_refused(*overrides)
     check(code != 0, f"{kind} baseline: the tiny bad input is refused (exit {code}, {seconds:.1f} s)")
     print(f"  baseline {kind}: {peak / MiB:.1f} MiB")
     return peak
 
 
+INPUTS = {
+    "tiny_bad.toml": lambda: "[data]\nnot_a_key = 1\n",
+    "huge_array.toml": lambda: "[model]\nfreeze = [" + '"a", ' * 6_000_000 + '"a"]\n',
+    "many_values.toml": lambda: "[model]\nfreeze = [" + "'a'," * 250_000 + "'a']\n",
+    "tiny_bad.json": lambda: '{"layers_per_block": -1}',
+    "huge.json": lambda: "[" + "0," * 10_000_000 + "0]",
+    "deep.json": lambda: "[" * 500_000 + "]" * 500_000,
+    "wide.json": lambda: '{"layers_per_block": [' + "0," * 400_000 + "0]}",
+    "tiny_bad.safetensors":
+        lambda: safetensors_bytes('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\0\0"),
+    "many_tensors.safetensors": lambda: safetensors_bytes(
+        "{" + ",".join(f'"t{i:07d}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{i + 1}]}}'
+                       for i in range(1_000_000)) + "}", b"\0" * 1_000_001),
+    "rank.safetensors": lambda: safetensors_bytes(
+        '{"a":{"dtype":"U8","shape":[' + "1," * 1_000_000 + '1],"data_offsets":[0,1]}}', b"\0"),
+    "metadata.safetensors": lambda: safetensors_bytes(
+        '{"__metadata__":{' + ",".join(f'"k{i}":""' for i in range(1_000_000)) + "}}"),
+}
+
+if len(sys.argv) > 4 and sys.argv[4] == "--generate":
+    # In a process of its own: Linux keeps a process's peak RSS across fork
+    # and exec, so the measured trainer must not be forked from a parent
+    # that held these texts.
+    for name, make in INPUTS.items():
+        write(os.path.join(WORK, name), make())
+    sys.exit(0)
+
 shutil.rmtree(WORK, ignore_errors=True)
 os.makedirs(WORK)
+subprocess.run([sys.executable, __file__, TRAIN, CONFIG, WORK, "--generate"], check=True)
+at = lambda name: os.path.join(WORK, name)  # noqa: E731
 
 # --- TOML configuration
 toml_overrides = lambda path: ["--config", path]  # noqa: E731
-base = baseline_of("TOML", None, *toml_overrides(write(os.path.join(WORK, "tiny_bad.toml"), "[data]\nnot_a_key = 1\n")))
-big_toml = write(os.path.join(WORK, "huge_array.toml"), "[model]\nfreeze = [" + '"a", ' * 6_000_000 + '"a"]\n')
-measure("a 30 MB TOML array", base, big_toml, "kMaxConfigBytes", toml_overrides)
-many = write(os.path.join(WORK, "many_values.toml"), "[model]\nfreeze = [" + "'a'," * 250_000 + "'a']\n")
-measure("a TOML array of 250,000 entries within 1 MiB", base, many, "kMaxConfigValues", toml_overrides)
+base = baseline_of("TOML", *toml_overrides(at("tiny_bad.toml")))
+measure("a 30 MB TOML array", base, at("huge_array.toml"), "kMaxConfigBytes", toml_overrides)
+measure("a TOML array of 250,000 entries within 1 MiB", base, at("many_values.toml"), "kMaxConfigValues",
+        toml_overrides)
 
-# --- UNet config.json (JSON: size, nesting, values)
-json_overrides = lambda path: ["--config", CONFIG, "--model_config", path]  # noqa: E731
-base = baseline_of("UNet config", None, *json_overrides(write(os.path.join(WORK, "tiny_bad.json"), '{"layers_per_block": -1}')))
-measure("a 20 MB UNet config", base, write(os.path.join(WORK, "huge.json"), "[" + "0," * 10_000_000 + "0]"),
-        "kMaxConfigBytes", json_overrides)
-measure("a UNet config nested 500,000 deep", base,
-        write(os.path.join(WORK, "deep.json"), "[" * 500_000 + "]" * 500_000), "nested more than 8 deep", json_overrides)
-measure("a UNet config of a 400,000-element array", base,
-        write(os.path.join(WORK, "wide.json"), '{"layers_per_block": [' + "0," * 400_000 + "0]}"),
-        "more than 10000 JSON values", json_overrides)
+# --- UNet config.json (JSON: size, nesting, values); the config's other options valid for one step
+json_overrides = lambda path: ["--config", CONFIG, "--warmup_steps", "0", "--model_config", path]  # noqa: E731
+base = baseline_of("UNet config", *json_overrides(at("tiny_bad.json")))
+measure("a 20 MB UNet config", base, at("huge.json"), "kMaxConfigBytes", json_overrides)
+measure("a UNet config nested 500,000 deep", base, at("deep.json"), "nested more than 8 deep", json_overrides)
+measure("a UNet config of a 400,000-element array", base, at("wide.json"), "more than 10000 JSON values",
+        json_overrides)
 
 # --- safetensors weights (--model_weights)
-weights_overrides = lambda path: ["--config", CONFIG, "--model_weights", path]  # noqa: E731
-base = baseline_of("safetensors", None, *weights_overrides(write(
-    os.path.join(WORK, "tiny_bad.safetensors"),
-    safetensors_bytes('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\0\0"))))
-n = 1_000_000
-entries = ",".join(f'"t{i:07d}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{i + 1}]}}' for i in range(n))
-measure("a 60 MB header of a million tensors, then a hole", base,
-        write(os.path.join(WORK, "many_tensors.safetensors"), safetensors_bytes("{" + entries + "}", b"\0" * (n + 1))),
+weights_overrides = lambda path: ["--config", CONFIG, "--warmup_steps", "0", "--model_weights", path]  # noqa: E731
+base = baseline_of("safetensors", *weights_overrides(at("tiny_bad.safetensors")))
+measure("a 60 MB header of a million tensors, then a hole", base, at("many_tensors.safetensors"),
         "belong to no tensor", weights_overrides)
-measure("a tensor of a million dimensions", base,
-        write(os.path.join(WORK, "rank.safetensors"),
-              safetensors_bytes('{"a":{"dtype":"U8","shape":[' + "1," * 1_000_000 + '1],"data_offsets":[0,1]}}', b"\0")),
-        "JSON values", weights_overrides)
-measure("__metadata__ of a million entries", base,
-        write(os.path.join(WORK, "metadata.safetensors"),
-              safetensors_bytes('{"__metadata__":{' + ",".join(f'"k{i}":""' for i in range(1_000_000)) + "}}")),
-        "kMaxMetadataValues", weights_overrides)
+measure("a tensor of a million dimensions", base, at("rank.safetensors"), "JSON values", weights_overrides)
+measure("__metadata__ of a million entries", base, at("metadata.safetensors"), "kMaxMetadataValues",
+        weights_overrides)
 
 shutil.rmtree(WORK, ignore_errors=True)
 if failures:

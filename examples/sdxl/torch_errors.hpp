@@ -23,11 +23,12 @@ namespace sdxl {
 inline std::string torch_error_text(const c10::Error& error) {
   if (zero::debug_mode()) return error.what();
   std::string_view text = error.what_without_backtrace();
-  // "[enforce fail at alloc_cpu.cpp:75] data. " names LibTorch's source, not the problem.
+  // "[enforce fail at alloc_cpu.cpp:75] err == 0. " names LibTorch's source and condition, not the problem.
   if (text.rfind("[enforce fail at ", 0) == 0) {
     if (const auto end = text.find("] "); end != std::string_view::npos) text.remove_prefix(end + 2);
-    if (text.rfind("data. ", 0) == 0) text.remove_prefix(6);
   }
+  if (const auto allocator = text.find("DefaultCPUAllocator: "); allocator != std::string_view::npos)
+    text.remove_prefix(allocator);
   return std::string(text.substr(0, text.find('\n')));
 }
 
@@ -35,8 +36,9 @@ inline std::string torch_error_text(const c10::Error& error) {
 inline bool is_allocation_failure(const c10::Error& error) {
   if (dynamic_cast<const c10::OutOfMemoryError*>(&error) != nullptr) return true;
   const std::string_view text = error.what_without_backtrace();
-  return text.find("not enough memory") != std::string_view::npos ||
-         text.find("out of memory") != std::string_view::npos;
+  for (std::string_view says : {"not enough memory", "can't allocate memory", "out of memory"})
+    if (text.find(says) != std::string_view::npos) return true;
+  return false;
 }
 
 /// Runs body(). A LibTorch allocation failure or std::bad_alloc becomes

@@ -18,10 +18,15 @@
    the trainer takes the dataset's and trains.
 5. unet_forward on an empty batch: one line naming the sample's shape, no
    C++ frames.
+6. A step whose activations cannot be allocated (batch_size 4096 under a
+   3 GiB address-space limit, so that allocation fails instead of the OOM
+   killer striking): one line naming the step, batch_size and latent_size,
+   the bytes LibTorch asked for, and what to lower; no C++ frames.
 """
 import json
 import os
 import re
+import resource
 import shutil
 import struct
 import subprocess
@@ -170,6 +175,18 @@ write_safetensors(inputs, [("sample", [0, 4, 16, 16], []), ("timestep", [0], [])
 r = subprocess.run([UNET_FORWARD, "--model", WEIGHTS, "--inputs", inputs, "--output", os.path.join(WORK, "out.safetensors")],
                    capture_output=True, text=True, timeout=120)
 check_refused(r, "unet_forward on an empty batch", r"'sample' has shape \[0, 4, 16, 16\]")
+
+# 6. Out of memory in a step (one process: the limit applies to it alone).
+def limit_address_space():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+r = subprocess.run([TRAIN, "--config", CONFIG, "--output_dir", os.path.join(WORK, "oom"), "--batch_size", "4096",
+                    "--synthetic_samples", "4096", "--steps", "1", "--warmup_steps", "0", "--export_unet", "false"],
+                   capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+check_refused(r, "batch_size 4096 out of memory",
+              r"step 1: forward and backward of batch_size 4096 at latent_size 16: out of memory "
+              r"\(DefaultCPUAllocator: .*allocate \d+ bytes.*\); lower batch_size")
 
 if failures:
     print(f"{len(failures)} check(s) failed:\n  " + "\n  ".join(failures))

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "attention_backend.hpp"        // select_attention_backend
 #include "data/cached_dataset.hpp"      // CachedDataset: latents and embeddings cached on disk
 #include "data/loader.hpp"              // PrefetchingLoader
@@ -41,8 +43,10 @@
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
+#include "torch_errors.hpp"             // with_torch_errors: LibTorch's errors in one line
 #include "unet.hpp"                     // UNet2DConditionModel
 #include "unet_io.hpp"                  // read_unet_config
+#include "unet_param_count.hpp"         // count_parameters
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/memory_model.hpp"
 #include "zero/torch/sharded_model.hpp"
@@ -89,6 +93,7 @@ struct ModelOnEngine {
   std::vector<std::string> parameter_names;  // in the engine's order: the export writes them back by name
   torch::ScalarType compute_type = torch::kFloat32;
   std::unique_ptr<zero::adapter::ShardedModel> sharded;
+  std::string memory_plan_note;  // " (memory plan: ...)" on the GPU, for out-of-memory messages
 };
 
 zero::EngineOptions engine_options(const TrainConfig& cfg) {
@@ -113,6 +118,22 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   return options;
 }
 
+/// Before the UNet is built: each rank on this host builds it in fp32 first,
+/// so a config whose parameters cannot fit the host's memory is refused here
+/// with its size, not in an allocation failure inside LibTorch.
+void check_model_fits_host(const TrainConfig& cfg, const UNetConfig& ucfg, int ranks_on_host) {
+  const double parameters = static_cast<double>(count_parameters(ucfg));
+  const double per_rank = parameters * 4;  // fp32 while building and loading
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page_bytes = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_bytes <= 0) return;
+  const double host = static_cast<double>(pages) * static_cast<double>(page_bytes);
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  ZERO_CHECK(per_rank * ranks_on_host <= host, "model_config '", cfg.model_config, "': the UNet has ",
+             static_cast<long long>(parameters), " parameters, ", per_rank / gib, " GiB in fp32 per rank to build (",
+             ranks_on_host, " rank(s) on this host), more than this host's ", host / gib,
+             " GiB of memory; choose a smaller model_config or fewer ranks per host");
+}
+
 /// The UNet (the same initial weights on every rank), its parameters handed
 /// to the engine unit by unit, and every block's forward routed through the
 /// engine (gathers under stage 3, recomputation with checkpointing).
@@ -122,7 +143,10 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   const bool leader = host_comm.rank() == 0;
   ModelOnEngine m;
   m.config = resolve_model_config(cfg.model_config);
-  m.unet = starting_unet(cfg, m.config);  // the same initial weights on every rank
+  check_model_fits_host(cfg, m.config, host_comm.local_size());
+  m.unet = with_torch_errors("building the UNet of model_config '" + cfg.model_config + "'",
+                             "choose a smaller model_config or fewer ranks per host",
+                             [&] { return starting_unet(cfg, m.config); });  // the same initial weights on every rank
   std::vector<zero::adapter::UnitSpec> units;
   std::vector<std::string> names;
   std::vector<std::int64_t> numels;
@@ -163,6 +187,9 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
     }
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
+  if (run_plan)
+    m.memory_plan_note = " (the memory plan estimated a GPU peak of " + zero::format_bytes(run_plan->gpu_peak_lower()) +
+                         " .. " + zero::format_bytes(run_plan->gpu_peak()) + " per rank)";
   m.sharded = std::make_unique<zero::adapter::ShardedModel>(
       std::move(units), options, runtime.communicator(), runtime.backend(),
       [&group_by_name](const std::string& name) { return group_by_name.at(name); });
@@ -285,6 +312,8 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
         .latent_sizes = {{cfg.latent_size, cfg.latent_size}}, .text_dims = d.text});
   } else {
     dataset = data::CachedDataset::open(cfg.dataset);
+    // Cross-attention takes any sequence length: the dataset's is used (text_length is for synthetic data).
+    d.text.sequence_length = dataset->text_dims().sequence_length;
   }
   data::check_text_dims(*dataset, d.text);
   data::DistributedBucketSampler sampler(*dataset, {.batch_size = static_cast<std::size_t>(cfg.batch_size),
@@ -426,7 +455,7 @@ zero::StepResult take_optimizer_step(Run& run, std::int64_t step) {
     return run.sharded().step();
   } catch (const zero::Error& e) {
     if (run.sharded().engine().steps_skipped() == skipped_before) throw;
-    ZERO_THROW(zero::Error, "training stopped at step ", step + 1, ": ", e.what(),
+    ZERO_THROW(zero::Error, "training stopped at step ", step + 1, ": ", e.message(),
                " (max_nonfinite_steps = ", run.cfg.max_nonfinite_steps, " in [optimizer]; 0 never stops)");
   }
 }
@@ -533,7 +562,14 @@ StepsEnd train_steps(Run& run) {
     m.lr = loop.lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, cfg.steps);
     sharded.engine().set_lr(m.lr);
     double loss_sum = 0;
-    for (std::int64_t micro = 0; micro < cfg.accumulation; ++micro) loss_sum += run_micro_step(run, loop, step, micro);
+    for (std::int64_t micro = 0; micro < cfg.accumulation; ++micro)
+      loss_sum += with_torch_errors(
+          "step " + std::to_string(step + 1) + ": forward and backward of batch_size " +
+              std::to_string(cfg.batch_size) + " at latent_size " + std::to_string(cfg.latent_size) +
+              run.model.memory_plan_note,
+          "lower batch_size (accumulation keeps the global batch) or latent_size, or set activation_checkpointing "
+          "= true",
+          [&] { return run_micro_step(run, loop, step, micro); });
     ++loop.eager_steps_done;
     m.step_call = Clock::now();
     m.result = take_optimizer_step(run, step);
@@ -637,5 +673,5 @@ int main(int argc, char** argv) {
     if (end == StepsEnd::stopped_as_asked) return 0;
     if (cfg.export_unet) export_trained_model(run);
     return 0;
-  });
+  }, describe_torch_failure);
 }

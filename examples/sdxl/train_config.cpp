@@ -9,6 +9,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -19,6 +21,72 @@
 namespace sdxl {
 
 namespace {
+
+// ---------------------------------------------------------------- bounds before parsing
+
+// toml++ builds a node of about 90 bytes per value: a small file of a long
+// array would cost gigabytes before any key is checked. A configuration is a
+// few KB; these bounds refuse other files before a node is built.
+constexpr std::size_t kMaxConfigBytes = 1 << 20;
+constexpr std::size_t kMaxConfigValues = 10'000;
+
+// Bounds of options whose size is known before anything is allocated: a
+// value past them cannot run on any machine this trainer targets, and would
+// otherwise end in an allocation failure deep inside LibTorch or the sampler.
+constexpr double kMaxBucketMiB = 1 << 20;                    // 1 TiB
+constexpr std::int64_t kMaxSyntheticSamples = 10'000'000;    // the sampler keeps ~40 bytes per sample
+constexpr std::int64_t kMaxLatentSize = 1024;                // 8192-pixel images; SDXL trains at 128
+constexpr std::int64_t kMaxTextLength = 4096;                // tokens; SDXL's encoders give 77
+constexpr std::int64_t kMaxBatchSize = 65536;                // per rank and micro-step
+
+// The values of a TOML text, over-counted (each '=', ',' and '[' outside
+// strings and comments is one): the bound needs no parse.
+std::size_t count_toml_values(std::string_view text) {
+  std::size_t values = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '#') {
+      while (i < text.size() && text[i] != '\n') ++i;
+    } else if (c == '"' || c == '\'') {
+      const bool multiline = text.substr(i, 3) == std::string(3, c);
+      const std::string_view close = multiline ? text.substr(i, 3) : text.substr(i, 1);
+      i += close.size();
+      while (i < text.size() && text.substr(i, close.size()) != close) {
+        if (c == '"' && text[i] == '\\') ++i;  // an escape: the next character is part of the string
+        else if (!multiline && text[i] == '\n') break;
+        ++i;
+      }
+      i += close.size() - 1;
+    } else if (c == '=' || c == ',' || c == '[') {
+      ++values;
+    }
+  }
+  return values;
+}
+
+void check_config_bounds(std::string_view text, const std::string& origin) {
+  ZERO_CHECK(text.size() <= kMaxConfigBytes, origin, ": ", text.size(), " bytes, over the limit of ", kMaxConfigBytes,
+             " for a configuration (kMaxConfigBytes; a training configuration is a few KB): is it the right file?");
+  const std::size_t values = count_toml_values(text);
+  ZERO_CHECK(values <= kMaxConfigValues, origin, ": about ", values, " values (keys and list entries), over the limit "
+             "of ", kMaxConfigValues, " for a configuration (kMaxConfigValues)");
+}
+
+// The text of a configuration file, its size checked before it is read.
+std::string read_config_text(const std::string& path) {
+  std::error_code error;
+  const std::uintmax_t bytes = std::filesystem::file_size(path, error);
+  ZERO_CHECK(!error, "--config ", path, ": cannot read: ", error.message());
+  ZERO_CHECK(bytes <= kMaxConfigBytes, path, ": ", bytes, " bytes, over the limit of ", kMaxConfigBytes,
+             " for a configuration (kMaxConfigBytes; a training configuration is a few KB): is it the right file?");
+  std::ifstream in(path, std::ios::binary);
+  ZERO_CHECK(in.good(), "--config ", path, ": cannot open");
+  std::string text(static_cast<std::size_t>(bytes), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  ZERO_CHECK(in.gcount() == static_cast<std::streamsize>(text.size()), "--config ", path, ": cannot read all of its ",
+             bytes, " bytes");
+  return text;
+}
 
 using Field = std::variant<std::string*, std::int64_t*, double*, bool*>;
 
@@ -272,11 +340,16 @@ void TrainConfig::validate() const {
     ZERO_THROW(InvalidArgument, key, ": '", value, "' is not one of ", list);
   };
   ZERO_CHECK(synthetic || !dataset.empty(), "data: set dataset to a cached dataset folder, or synthetic = true");
-  ZERO_CHECK(synthetic_samples >= 1, "synthetic_samples must be >= 1, got ", synthetic_samples);
-  ZERO_CHECK(latent_size >= 8 && latent_size % 8 == 0, "latent_size must be a positive multiple of 8, got ", latent_size);
-  ZERO_CHECK(text_length >= 1, "text_length must be >= 1, got ", text_length);
+  ZERO_CHECK(synthetic_samples >= 1 && synthetic_samples <= kMaxSyntheticSamples, "synthetic_samples ([data]) must be in "
+             "[1, ", kMaxSyntheticSamples, "] (the sampler holds every sample's index), got ", synthetic_samples);
+  ZERO_CHECK(latent_size >= 8 && latent_size % 8 == 0 && latent_size <= kMaxLatentSize,
+             "latent_size ([data]) must be a multiple of 8 in [8, ", kMaxLatentSize, "] (latent pixels: image pixels / 8; "
+             "SDXL trains at 128), got ", latent_size);
+  ZERO_CHECK(text_length >= 1 && text_length <= kMaxTextLength, "text_length ([data]) must be in [1, ", kMaxTextLength,
+             "] tokens, got ", text_length);
   ZERO_CHECK(steps >= 1, "steps must be >= 1, got ", steps);
-  ZERO_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
+  ZERO_CHECK(batch_size >= 1 && batch_size <= kMaxBatchSize, "batch_size ([train]) must be in [1, ", kMaxBatchSize,
+             "] samples per rank and micro-step (accumulation multiplies it without the memory), got ", batch_size);
   ZERO_CHECK(accumulation >= 1, "accumulation must be >= 1, got ", accumulation);
   one_of(precision, {"fp32", "bf16", "fp16"}, "precision");
   one_of(prediction, {"epsilon", "v_prediction"}, "prediction");
@@ -300,7 +373,11 @@ void TrainConfig::validate() const {
   ZERO_CHECK(shard_group_size >= 0 && shard_group_size <= (1 << 20),
              "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",
              shard_group_size);
-  ZERO_CHECK(bucket_mib > 0, "bucket_mib must be > 0, got ", bucket_mib);
+  // The engine's buckets are whole bytes: below one byte the engine would name its own option, not this one.
+  ZERO_CHECK(std::isfinite(bucket_mib) && bucket_mib * (1 << 20) >= 1 && bucket_mib <= kMaxBucketMiB,
+             "bucket_mib ([zero]) must be a size in MiB in [1/1048576 (one byte), ", static_cast<long long>(kMaxBucketMiB),
+             "], got ",
+             bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);
   ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
@@ -376,8 +453,11 @@ std::string pattern_list(const std::vector<std::string>& patterns) {
 std::optional<std::vector<std::string>> saved_freeze(const std::string& config_toml) {
   toml::table root;
   try {
+    check_config_bounds(config_toml, "saved configuration");
     root = toml::parse(config_toml, std::string_view("saved configuration"));
   } catch (const toml::parse_error&) {
+    return std::nullopt;
+  } catch (const zero::InvalidArgument&) {
     return std::nullopt;
   }
   const toml::node* node = root.at_path("model.freeze").node();
@@ -392,6 +472,7 @@ std::optional<std::vector<std::string>> saved_freeze(const std::string& config_t
 TrainConfig train_config_from_toml(const std::string& text, const std::string& origin) {
   TrainConfig config;
   toml::table root;
+  check_config_bounds(text, origin);
   try {
     root = toml::parse(text, origin);
   } catch (const toml::parse_error& e) {
@@ -440,9 +521,11 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
   }
   config = TrainConfig{};
   if (!config_path.empty()) {
+    const std::string text = read_config_text(config_path);
+    check_config_bounds(text, config_path);
     toml::table root;
     try {
-      root = toml::parse_file(config_path);
+      root = toml::parse(text, config_path);
     } catch (const toml::parse_error& e) {
       ZERO_THROW(zero::InvalidArgument, config_path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
                  e.description());

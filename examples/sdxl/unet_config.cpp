@@ -6,7 +6,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "unet_param_count.hpp"
 #include "zero/core/error.hpp"
+#include "zero/io/json_limits.hpp"
 
 namespace sdxl {
 
@@ -77,6 +79,8 @@ std::string as_string(const json& value, std::string_view key) {
 
 std::vector<std::string> as_string_list(const json& value, std::string_view key) {
   ZERO_CHECK(value.is_array(), "UNet config key '", key, "': expected a list of strings, got ", describe(value));
+  ZERO_CHECK(value.size() <= static_cast<std::size_t>(UNetLimits::kMaxLevels), "UNet config key '", key, "': has ",
+             value.size(), " entries, more than the ", UNetLimits::kMaxLevels, " levels this UNet supports (kMaxLevels)");
   std::vector<std::string> out;
   for (const json& item : value) out.push_back(as_string(item, key));
   return out;
@@ -85,6 +89,8 @@ std::vector<std::string> as_string_list(const json& value, std::string_view key)
 // diffusers lets most per-level settings be one int (used at every level) or a list.
 std::vector<std::int64_t> as_int_or_list(const json& value, std::string_view key, std::size_t levels) {
   if (value.is_array()) {
+    ZERO_CHECK(value.size() == levels, "UNet config key '", key, "': has ", value.size(), " entries but there are ",
+               levels, " down blocks");
     std::vector<std::int64_t> out;
     for (const json& item : value) {
       ZERO_CHECK(!item.is_array(), "UNet config key '", key,
@@ -138,6 +144,16 @@ void require_string(std::string_view key, const json& value, std::initializer_li
 using Settings = std::map<std::string, json>;
 
 json parse_config_document(std::string_view json_text) {
+  // Bounded before the document is built: its tree costs far more memory than its text.
+  try {
+    zero::io::check_json_limits(json_text,
+                                {.max_bytes = UNetLimits::kMaxConfigBytes,
+                                 .max_values = UNetLimits::kMaxConfigJsonValues,
+                                 .max_depth = UNetLimits::kMaxConfigJsonDepth},
+                                "UNet config");
+  } catch (const zero::IoError& e) {
+    ZERO_THROW(zero::InvalidArgument, e.message());  // a config is the caller's input, as every key's check
+  }
   json doc;
   try {
     doc = json::parse(json_text.begin(), json_text.end());
@@ -253,6 +269,8 @@ void require_defaults(Settings& v) {
 void read_input_settings(Settings& v, UNetConfig& c) {
   if (const json& s = v["sample_size"]; !s.is_null()) {
     if (s.is_array()) {
+      ZERO_CHECK(s.size() == 2, "UNet config key 'sample_size': expected an int or [height, width], got a list of ",
+                 s.size());
       for (const json& d : s) c.sample_size.push_back(as_int(d, "sample_size"));
       ZERO_CHECK(c.sample_size.size() == 2, "UNet config key 'sample_size': expected an int or [height, width]");
     } else {
@@ -350,6 +368,7 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   read_level_settings(v, c);
   read_embedding_settings(v, c);
   c.validate();
+  c.check_parameter_count();
   return c;
 }
 
@@ -363,6 +382,8 @@ void UNetConfig::validate() const {
                " down blocks");
     for (std::int64_t x : list) ZERO_CHECK(x > 0, "UNet config: '", key, "' entries must be positive, got ", x);
   };
+  ZERO_CHECK(n <= static_cast<std::size_t>(UNetLimits::kMaxLevels), "UNet config: 'down_block_types' has ", n,
+             " entries, more than the ", UNetLimits::kMaxLevels, " levels this UNet supports (kMaxLevels)");
   check_len(block_out_channels, "block_out_channels");
   check_len(layers_per_block, "layers_per_block");
   check_len(cross_attention_dim, "cross_attention_dim");
@@ -383,6 +404,7 @@ void UNetConfig::validate() const {
                "UNet config: 'projection_class_embeddings_input_dim' must be positive for text_time");
   }
   ZERO_CHECK(sample_size.size() <= 2, "UNet config: 'sample_size' must be an int or [height, width]");
+  check_limits();
   // Channel counts that GroupNorm and the head split must divide; checked here
   // so the message names the config key instead of a torch shape error.
   for (std::size_t i = 0; i < n; ++i) {
@@ -399,6 +421,46 @@ void UNetConfig::validate() const {
                  num_attention_heads.empty() ? "attention_head_dim" : "num_attention_heads", "[", i, "])");
     }
   }
+}
+
+void UNetConfig::check_limits() const {
+  auto at_most = [](std::int64_t value, std::int64_t limit, std::string_view key, std::string_view limit_name) {
+    ZERO_CHECK(value <= limit, "UNet config: '", key, "' = ", value, " exceeds the limit of ", limit, " (",
+               limit_name, " in unet_config.hpp)");
+  };
+  auto list_at_most = [&](const std::vector<std::int64_t>& list, std::int64_t limit, std::string_view key,
+                          std::string_view limit_name) {
+    for (std::int64_t x : list) at_most(x, limit, key, limit_name);
+  };
+  using L = UNetLimits;
+  list_at_most(sample_size, L::kMaxSampleSize, "sample_size", "kMaxSampleSize");
+  at_most(in_channels, L::kMaxChannels, "in_channels", "kMaxChannels");
+  at_most(out_channels, L::kMaxChannels, "out_channels", "kMaxChannels");
+  list_at_most(block_out_channels, L::kMaxChannels, "block_out_channels", "kMaxChannels");
+  list_at_most(cross_attention_dim, L::kMaxChannels, "cross_attention_dim", "kMaxChannels");
+  list_at_most(layers_per_block, L::kMaxLayersPerBlock, "layers_per_block", "kMaxLayersPerBlock");
+  list_at_most(transformer_layers_per_block, L::kMaxTransformerLayers, "transformer_layers_per_block",
+               "kMaxTransformerLayers");
+  list_at_most(attention_head_dim, L::kMaxHeads, "attention_head_dim", "kMaxHeads");
+  list_at_most(num_attention_heads, L::kMaxHeads, "num_attention_heads", "kMaxHeads");
+  at_most(norm_num_groups, L::kMaxChannels, "norm_num_groups", "kMaxChannels");
+  at_most(time_embedding_dim, L::kMaxChannels, "time_embedding_dim", "kMaxChannels");
+  at_most(addition_time_embed_dim, L::kMaxChannels, "addition_time_embed_dim", "kMaxChannels");
+  at_most(projection_class_embeddings_input_dim, L::kMaxChannels, "projection_class_embeddings_input_dim",
+          "kMaxChannels");
+  at_most(conv_in_kernel, L::kMaxKernel, "conv_in_kernel", "kMaxKernel");
+  at_most(conv_out_kernel, L::kMaxKernel, "conv_out_kernel", "kMaxKernel");
+  for (std::int64_t s : sample_size) ZERO_CHECK(s > 0, "UNet config: 'sample_size' must be positive, got ", s);
+}
+
+void UNetConfig::check_parameter_count() const {
+  using L = UNetLimits;
+  // Every size within its limit keeps the count below 2^63; the total is what costs memory.
+  const std::int64_t parameters = count_parameters(*this);
+  ZERO_CHECK(parameters <= L::kMaxParameters, "UNet config: ", parameters, " parameters (",
+             static_cast<double>(parameters) * 4 / (1 << 30), " GiB in fp32) exceed the limit of ", L::kMaxParameters,
+             " (kMaxParameters in unet_config.hpp); lower block_out_channels, layers_per_block or "
+             "transformer_layers_per_block");
 }
 
 std::int64_t UNetConfig::heads_of_level(std::size_t level) const {

@@ -28,6 +28,24 @@ struct LevelSpec {
   std::int64_t cross_attention_dim = 0;
 };
 
+/// Bounds on a config, checked by from_json() and validate() before anything
+/// is built: a few bytes of config can otherwise ask for terabytes (SDXL base,
+/// for scale: 3 levels, 320..1280 channels, 2 layers, 10 transformer layers,
+/// 2.6 B parameters in a 1.7 KB config.json).
+struct UNetLimits {
+  static constexpr std::size_t kMaxConfigBytes = 1 << 20;      // config.json text
+  static constexpr std::size_t kMaxConfigJsonValues = 10'000;  // numbers, strings, lists... in it
+  static constexpr std::size_t kMaxConfigJsonDepth = 8;
+  static constexpr std::int64_t kMaxLevels = 8;                // down_block_types entries
+  static constexpr std::int64_t kMaxChannels = 32768;          // every channel and embedding width
+  static constexpr std::int64_t kMaxLayersPerBlock = 64;
+  static constexpr std::int64_t kMaxTransformerLayers = 64;    // per attention block
+  static constexpr std::int64_t kMaxHeads = 1024;
+  static constexpr std::int64_t kMaxKernel = 15;               // conv_in_kernel, conv_out_kernel
+  static constexpr std::int64_t kMaxSampleSize = 16384;        // latent pixels
+  static constexpr std::int64_t kMaxParameters = 20'000'000'000;  // about 8x SDXL base
+};
+
 /// A diffusers UNet2DConditionModel config restricted to what this model
 /// implements. Field names follow diffusers' JSON keys.
 struct UNetConfig {
@@ -75,8 +93,14 @@ struct UNetConfig {
   /// A diffusers-style config.json for this config (round-trips through from_json).
   std::string to_json() const;
 
-  /// Checks lengths and divisibility; from_json() and the model call it.
+  /// Checks lengths, divisibility and the per-field UNetLimits (each named in
+  /// its message); from_json() and the model call it.
   void validate() const;
+  /// The UNetLimits part of validate() (lengths must already agree).
+  void check_limits() const;
+  /// The parameter count within UNetLimits::kMaxParameters (from_json()
+  /// checks it after validate(); count_parameters() itself validates).
+  void check_parameter_count() const;
 
   // Derived values.
   std::int64_t time_embed_dim() const {

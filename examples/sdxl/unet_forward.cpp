@@ -16,6 +16,7 @@
 #include <exception>
 #include <iostream>
 
+#include "torch_errors.hpp"
 #include "unet_io.hpp"
 #include "zero/core/dtype.hpp"
 #include "zero/core/error.hpp"
@@ -67,6 +68,8 @@ int run(int argc, char** argv) {
   const auto inputs = sdxl::read_tensors(inputs_path);
   auto activation = [&](const char* name) { return require(inputs, name, inputs_path).to(device, dtype); };
   const torch::Tensor sample = activation("sample");
+  ZERO_CHECK(sample.dim() == 4 && sample.size(0) >= 1, "inputs '", inputs_path, "': 'sample' has shape ",
+             sample.sizes(), "; expected [batch >= 1, channels, height, width]");
   const torch::Tensor context = activation("encoder_hidden_states");
   // Timesteps and time_ids feed the float32 sinusoidal embedding: keep their precision.
   const torch::Tensor timestep = require(inputs, "timestep", inputs_path).to(device);
@@ -79,7 +82,11 @@ int run(int argc, char** argv) {
   torch::Tensor out;
   {
     torch::NoGradGuard no_grad;
-    out = model->forward(sample, timestep, context, text_embeds, time_ids);
+    out = sdxl::with_torch_errors("the forward pass of a batch of " + std::to_string(sample.size(0)) + " at " +
+                                      std::to_string(sample.size(2)) + "x" + std::to_string(sample.size(3)) +
+                                      " latent pixels",
+                                  "pass fewer or smaller samples, or --dtype bf16",
+                                  [&] { return model->forward(sample, timestep, context, text_embeds, time_ids); });
   }
   sdxl::write_tensors(output_path, {{"sample", out.to(torch::kCPU, torch::kFloat32)}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -94,7 +101,8 @@ int main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {
-    std::cerr << "unet_forward: " << e.what() << "\n";
+    const std::optional<std::string> torch_text = sdxl::describe_torch_failure(e);
+    std::cerr << "unet_forward: " << (torch_text ? *torch_text : std::string(e.what())) << "\n";
     return 1;
   }
 }

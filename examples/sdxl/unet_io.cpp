@@ -99,6 +99,19 @@ std::string read_text_file(const fs::path& path) {
   return text.str();
 }
 
+// A UNet config.json: its size is checked before it is read (a hostile or
+// mistaken path may name a huge file).
+std::string read_config_file(const fs::path& path) {
+  std::error_code error;
+  const std::uintmax_t bytes = fs::file_size(path, error);
+  if (error) ZERO_THROW(zero::IoError, "cannot read UNet config '", path.string(), "': ", error.message());
+  if (bytes > UNetLimits::kMaxConfigBytes)
+    ZERO_THROW(zero::IoError, "UNet config '", path.string(), "' is ", bytes, " bytes, over the limit of ",
+               UNetLimits::kMaxConfigBytes, " (kMaxConfigBytes; a diffusers config.json is a few KB): is it the "
+               "right file?");
+  return read_text_file(path);
+}
+
 // A diffusers pipeline root keeps the UNet in unet/.
 fs::path unet_folder(const fs::path& dir) {
   if (!fs::exists(dir / "config.json") && fs::is_directory(dir / "unet")) return dir / "unet";
@@ -300,13 +313,15 @@ UNetConfig read_unet_config(const fs::path& path) {
   if (fs::is_directory(path)) {
     const fs::path config = unet_folder(path) / "config.json";
     if (!fs::is_regular_file(config)) ZERO_THROW(zero::IoError, "'", path.string(), "' has no config.json");
-    return UNetConfig::from_json(read_text_file(config));
+    return UNetConfig::from_json(read_config_file(config));
   }
+  // A diffusers config.json itself (its name may be anything ending in .json).
+  if (lower_extension(path) == ".json") return UNetConfig::from_json(read_config_file(path));
   const SafeTensorsFile file = SafeTensorsFile::open(path);
   if (auto it = file.metadata().find("config"); it != file.metadata().end()) return UNetConfig::from_json(it->second);
   // A weights file inside a diffusers folder: its config sits next to it.
   if (fs::is_regular_file(path.parent_path() / "config.json")) {
-    return UNetConfig::from_json(read_text_file(path.parent_path() / "config.json"));
+    return UNetConfig::from_json(read_config_file(path.parent_path() / "config.json"));
   }
   for (const TensorInfo& info : file.tensors()) {
     if (info.name.rfind(kOriginalPrefix, 0) == 0) return UNetConfig::sdxl_base();

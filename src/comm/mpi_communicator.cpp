@@ -1,6 +1,10 @@
 #include "zero/comm/mpi_communicator.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -325,18 +329,154 @@ void MpiCommunicator::all_reduce_host_f64(double* values, std::size_t count, Red
   }
 }
 
-int run_or_abort(const std::function<int()>& main_body) {
-  try {
-    return main_body();
-  } catch (const std::exception& error) {
-    std::cerr << error.what() << std::endl;
-  } catch (...) {
-    std::cerr << "[zero] unknown exception" << std::endl;
+// ---------------------------------------------------------------- run_or_abort
+
+namespace {
+
+// Failure reports travel on MPI_COMM_WORLD under this tag, apart from every
+// collective (those run on duplicated communicators).
+constexpr int kFailureReportTag = 0x7a65;
+// How long rank 0 collects the other ranks' reports, and how long another
+// failing rank waits for rank 0 to take its report over.
+constexpr auto kFailureReportWait = std::chrono::milliseconds(1500);
+constexpr std::size_t kMaxReportBytes = 8192;
+
+// One write(2) per line: lines from several ranks, relayed by mpirun, never
+// run together.
+void write_line(std::string line) {
+  line += '\n';
+  const char* next = line.data();
+  std::size_t left = line.size();
+  while (left > 0) {
+    const ssize_t written = ::write(STDERR_FILENO, next, left);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    next += written;
+    left -= static_cast<std::size_t>(written);
   }
+}
+
+// What went wrong, for the user, without the "[zero rank R]" prefix (the
+// caller adds the rank it knows from MPI): zero's own message, and its
+// source location only in debug mode.
+std::string failure_text(const std::exception_ptr& failure, const FailureDescriber& describe) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& error) {
+    return debug_mode() ? error.location() + ": " + error.message() : error.message();
+  } catch (const std::bad_alloc&) {
+    return "out of host memory: an allocation failed (std::bad_alloc); a size in the configuration (batch_size, "
+           "latent_size, the model, the dataset) is more than this machine's memory holds";
+  } catch (const std::exception& error) {
+    if (describe) {
+      if (std::optional<std::string> text = describe(error)) return *text;
+    }
+    return error.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+bool mpi_usable() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, 1);
+  return initialized && !finalized;
+}
+
+std::string rank_prefix(int rank, int size) {
+  return size > 1 ? "[zero rank " + std::to_string(rank) + "] " : std::string("[zero] ");
+}
+
+// Rank 0 prints its own failure, then, for a short while, takes over the
+// reports of other ranks that fail too: each is printed only when it says
+// something else; the ranks that failed the same way are named in one line.
+void report_as_rank_zero(const std::string& text, int size) {
+  write_line(rank_prefix(0, size) + text);
+  std::vector<int> same;
+  int reports = 0;
+  const auto deadline = std::chrono::steady_clock::now() + kFailureReportWait;
+  while (reports < size - 1 && std::chrono::steady_clock::now() < deadline) {
+    int arrived = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kFailureReportTag, MPI_COMM_WORLD, &arrived, &status) != MPI_SUCCESS) break;
+    if (!arrived) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_CHAR, &bytes);
+    std::string other(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
+    MPI_Recv(other.data(), bytes, MPI_CHAR, status.MPI_SOURCE, kFailureReportTag, MPI_COMM_WORLD,
+             MPI_STATUS_IGNORE);
+    static const int taken = 1;
+    MPI_Request ack = MPI_REQUEST_NULL;
+    MPI_Isend(&taken, 1, MPI_INT, status.MPI_SOURCE, kFailureReportTag, MPI_COMM_WORLD, &ack);
+    MPI_Request_free(&ack);
+    ++reports;
+    if (other == text.substr(0, kMaxReportBytes)) {
+      same.push_back(status.MPI_SOURCE);
+    } else {
+      write_line(rank_prefix(status.MPI_SOURCE, size) + other);
+    }
+  }
+  if (!same.empty()) {
+    std::sort(same.begin(), same.end());
+    std::string ranks;
+    for (int r : same) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    write_line(std::string("[zero] rank") + (same.size() > 1 ? "s " : " ") + ranks + " failed the same way");
+  }
+}
+
+// Another rank sends its report to rank 0 and prints it itself only when
+// rank 0 does not take it over in time (rank 0 is still working, or waiting
+// in a collective).
+void report_as_other_rank(const std::string& text, int rank, int size) {
+  const std::string report = text.substr(0, kMaxReportBytes);
+  MPI_Request sent = MPI_REQUEST_NULL;
+  MPI_Isend(report.data(), static_cast<int>(report.size()), MPI_CHAR, 0, kFailureReportTag, MPI_COMM_WORLD, &sent);
+  const auto deadline = std::chrono::steady_clock::now() + kFailureReportWait;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int answered = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(0, kFailureReportTag, MPI_COMM_WORLD, &answered, &status) != MPI_SUCCESS) break;
+    if (answered) return;  // rank 0 prints it
+    int unused = 0;
+    MPI_Test(&sent, &unused, MPI_STATUS_IGNORE);  // progress a large report
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  write_line(rank_prefix(rank, size) + text);
+}
+
+void report_failure(const std::exception_ptr& failure, const FailureDescriber& describe) {
+  const std::string text = failure_text(failure, describe);
+  if (!mpi_usable()) {
+    write_line(rank_prefix(0, 1) + text);
+    return;
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size == 1) {
+    write_line(rank_prefix(0, 1) + text);
+  } else if (rank == 0) {
+    report_as_rank_zero(text, size);
+  } else {
+    report_as_other_rank(text, rank, size);
+  }
+}
+
+}  // namespace
+
+int run_or_abort(const std::function<int()>& main_body, const FailureDescriber& describe) {
+  try {
+    return main_body();
+  } catch (...) {
+    report_failure(std::current_exception(), describe);
+  }
+  if (mpi_usable()) MPI_Abort(MPI_COMM_WORLD, 1);
   return 1;
 }
 

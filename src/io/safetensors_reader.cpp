@@ -15,9 +15,11 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
-#include <unordered_map>
-#include <unordered_set>
+#include <optional>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "zero/core/error.hpp"
@@ -31,6 +33,14 @@ using Json = nlohmann::json;
 
 using detail::brief_text;
 using detail::kMaxHeaderBytes;
+
+// Bounds on one entry of a header, so that a tensor's description costs
+// memory in proportion to what a valid one holds: no tensor has more than
+// kMaxTensorRank dimensions, and a valid entry is a handful of values.
+constexpr std::size_t kMaxTensorRank = 64;
+constexpr std::size_t kMaxEntryValues = 4 + kMaxTensorRank + 2 + 64;  // slack: errors still name the field
+constexpr std::size_t kMaxEntryDepth = 3;           // entry object, shape, one level more for messages
+constexpr std::size_t kMaxMetadataValues = 65536;
 using detail::load_le64;
 using detail::shape_text;
 
@@ -98,77 +108,12 @@ bool as_count(const Json& value, std::uint64_t limit, std::uint64_t& out) {
   return false;
 }
 
-// A first, DOM-less pass over the header. It finds repeated keys, which the
-// DOM would silently collapse into one, and records the order of the
-// top-level keys, which the DOM's std::map forgets. (nlohmann's parser
-// callback could find repeats too, but it rescans the parent object after
-// every nested one: O(n^2) in the number of tensors.)
-class KeyScanner {
- public:
-  using string_t = Json::string_t;
-
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(Json::number_integer_t) { return true; }
-  bool number_unsigned(Json::number_unsigned_t) { return true; }
-  bool number_float(Json::number_float_t, const string_t&) { return true; }
-  bool string(string_t&) { return true; }
-  bool binary(Json::binary_t&) { return true; }
-  bool start_array(std::size_t) {
-    ++depth_;
-    return true;
-  }
-  bool end_array() {
-    --depth_;
-    return true;
-  }
-  bool start_object(std::size_t) {
-    ++depth_;
-    if (depth_ > 1) nested_keys_.emplace_back();
-    return true;
-  }
-  bool end_object() {
-    if (depth_ > 1) nested_keys_.pop_back();
-    --depth_;
-    return true;
-  }
-  bool key(string_t& key) {
-    if (depth_ == 1) {
-      current_top_level_ = key;
-      if (!top_level_order.emplace(key, top_level_order.size()).second) {
-        duplicate = key;
-        return false;
-      }
-    } else if (!nested_keys_.back().insert(key).second) {
-      duplicate = key;
-      duplicate_parent = current_top_level_;
-      return false;
-    }
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) {
-    error = e.what();
-    return false;
-  }
-
-  std::unordered_map<std::string, std::size_t> top_level_order;
-  std::optional<std::string> duplicate;
-  std::string duplicate_parent;  // the top-level entry holding a repeated field
-  std::optional<std::string> error;
-
- private:
-  int depth_ = 0;
-  std::string current_top_level_;
-  std::vector<std::unordered_set<std::string>> nested_keys_;
-};
-
 struct RawEntry {
   std::string name;
   TensorDType dtype = TensorDType::F32;
   std::vector<std::int64_t> shape;
   std::uint64_t begin = 0;
   std::uint64_t end = 0;
-  std::size_t header_index = 0;  // position among the header's top-level keys
 };
 
 RawEntry parse_tensor_entry(const std::string& where, const std::string& name, const Json& entry,
@@ -209,6 +154,10 @@ RawEntry parse_tensor_entry(const std::string& where, const std::string& name, c
   if (!shape.is_array()) {
     ZERO_BAD_FILE(where, tensor, " has shape ", brief(shape),
                   "; expected an array of non-negative integers");
+  }
+  if (shape.size() > kMaxTensorRank) {
+    ZERO_BAD_FILE(where, tensor, " has a shape of ", shape.size(), " dimensions; expected at most ",
+                  kMaxTensorRank, " (kMaxTensorRank)");
   }
   raw.shape.reserve(shape.size());
   for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -300,98 +249,253 @@ std::string_view header_text(const std::string& where, const std::byte* start, s
   return {text, static_cast<std::size_t>(header_size)};
 }
 
-// The DOM-less pass (KeyScanner): refuses repeated keys and text that is not JSON.
-KeyScanner scan_header(const std::string& where, std::string_view text) {
-  KeyScanner scanner;
-  const bool scanned = Json::sax_parse(text.data(), text.data() + text.size(), &scanner);
-  if (scanner.duplicate) {
-    if (scanner.duplicate_parent.empty()) {
-      ZERO_BAD_FILE(where, "header names '", brief_text(*scanner.duplicate),
+// The first pass over the header: syntax only, and the number of top-level
+// entries, in constant memory. Text that is not JSON is refused before
+// anything is built; the count sizes the tensor list exactly.
+class EntryCounter {
+ public:
+  using string_t = Json::string_t;
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const string_t&) { return true; }
+  bool string(string_t&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_object(std::size_t) { return ++depth_, true; }
+  bool start_array(std::size_t) { return ++depth_, true; }
+  bool end_object() { return --depth_, true; }
+  bool end_array() { return --depth_, true; }
+  bool key(string_t&) {
+    if (depth_ == 1) ++entries;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const Json::exception& e) {
+    error = e.what();
+    return false;
+  }
+
+  std::size_t entries = 0;
+  std::optional<std::string> error;
+
+ private:
+  std::size_t depth_ = 0;
+};
+
+std::size_t count_entries(const std::string& where, std::string_view text) {
+  EntryCounter counter;
+  const bool parsed = Json::sax_parse(text.data(), text.data() + text.size(), &counter);
+  if (!parsed || counter.error) {
+    ZERO_BAD_FILE(where, "header is not valid JSON: ",
+                  parse_error_text(counter.error.value_or("rejected by the parser")),
+                  "; expected UTF-8 JSON text of an object");
+  }
+  return counter.entries;
+}
+
+// The second pass: each top-level entry is built as a small JSON tree of its
+// own, checked (parse_tensor_entry, the metadata's strings) and dropped
+// before the next one is read. The header is never a tree as a whole: that
+// costs 20-40 times its bytes (a map node per key, a node per number), which
+// for a header within the 100 MB limit is gigabytes.
+class EntryReader {
+ public:
+  using string_t = Json::string_t;
+
+  EntryReader(const std::string& where, std::uint64_t data_size, std::vector<TensorInfo>& tensors,
+              std::map<std::string, std::string>& metadata)
+      : where_(where), data_size_(data_size), tensors_(tensors), metadata_(metadata) {}
+
+  bool null() { return add(Json(nullptr)); }
+  bool boolean(bool v) { return add(Json(v)); }
+  bool number_integer(Json::number_integer_t v) { return add(Json(v)); }
+  bool number_unsigned(Json::number_unsigned_t v) { return add(Json(v)); }
+  bool number_float(Json::number_float_t v, const string_t&) { return add(Json(v)); }
+  bool string(string_t& v) { return add(Json(std::move(v))); }
+  bool binary(Json::binary_t&) { return add(Json(nullptr)); }
+  bool start_object(std::size_t) { return open(Json::object()); }
+  bool start_array(std::size_t) { return open(Json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(string_t& key) {
+    if (open_.empty()) {  // a top-level key: the next entry's name
+      name_ = std::move(key);
+      if (name_ == "__metadata__") {
+        if (seen_metadata_) ZERO_BAD_FILE(where_, "header names '__metadata__' more than once; expected it once");
+        seen_metadata_ = true;
+      }
+      return true;
+    }
+    const Json& container = *open_.back();
+    if (container.contains(key)) {
+      ZERO_BAD_FILE(where_, "header entry '", brief_text(name_), "' has field '", brief_text(key),
+                    "' more than once; expected each field once");
+    }
+    if (open_.size() == 1 && name_ != "__metadata__" && key != "dtype" && key != "shape" &&
+        key != "data_offsets") {
+      ZERO_BAD_FILE(where_, "tensor '", brief_text(name_), "' has unexpected field '", brief_text(key),
+                    "'; expected only dtype, shape and data_offsets");
+    }
+    pending_key_ = std::move(key);
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const Json::exception& e) {
+    // The first pass found the text to be JSON; nothing else is expected here.
+    ZERO_BAD_FILE(where_, "header is not valid JSON: ", parse_error_text(e.what()),
+                  "; expected UTF-8 JSON text of an object");
+  }
+
+ private:
+  // The top-level object itself is not kept: its entries are handled one by one.
+  bool open(Json container) {
+    if (depth_++ == 0) return true;
+    if (open_.size() >= kMaxEntryDepth) {
+      ZERO_BAD_FILE(where_, "header entry '", brief_text(name_), "' nests arrays or objects more than ",
+                    kMaxEntryDepth, " deep; expected a tensor entry (dtype, shape, data_offsets) or the "
+                    "string-to-string __metadata__");
+    }
+    Json* placed = place(std::move(container));
+    open_.push_back(placed);
+    return true;
+  }
+
+  bool close() {
+    if (--depth_ == 0) return true;
+    open_.pop_back();
+    if (open_.empty()) finish_entry();
+    return true;
+  }
+
+  bool add(Json value) {
+    if (open_.empty()) {  // a top-level entry that is not an object: refused by its check
+      entry_ = std::move(value);
+      finish_entry();
+      return true;
+    }
+    place(std::move(value));
+    return true;
+  }
+
+  // Puts a value into the entry being built: as the entry itself, or into
+  // the innermost open array or object.
+  Json* place(Json value) {
+    const bool metadata = name_ == "__metadata__";
+    if (++entry_values_ > (metadata ? kMaxMetadataValues : kMaxEntryValues)) {
+      if (metadata) {
+        ZERO_BAD_FILE(where_, "__metadata__ holds more than ", kMaxMetadataValues,
+                      " values; expected a few strings (kMaxMetadataValues)");
+      }
+      ZERO_BAD_FILE(where_, "tensor '", brief_text(name_), "' is described by more than ", kMaxEntryValues,
+                    " JSON values; expected dtype, a shape of at most ", kMaxTensorRank,
+                    " dimensions and data_offsets");
+    }
+    if (open_.empty()) {
+      entry_ = std::move(value);
+      return &entry_;
+    }
+    Json& container = *open_.back();
+    if (container.is_array()) {
+      container.push_back(std::move(value));
+      return &container.back();
+    }
+    Json& slot = container[pending_key_];
+    slot = std::move(value);
+    return &slot;
+  }
+
+  void finish_entry() {
+    if (name_ == "__metadata__") {
+      read_metadata(entry_);
+    } else {
+      RawEntry raw = parse_tensor_entry(where_, name_, entry_, data_size_);
+      // data_offset counts from the data section until parse() knows where it starts.
+      tensors_.push_back({.name = std::move(raw.name), .dtype = raw.dtype, .shape = std::move(raw.shape),
+                          .data_offset = raw.begin, .byte_size = raw.end - raw.begin});
+    }
+    entry_ = Json();
+    entry_values_ = 0;
+  }
+
+  // The __metadata__ entry: strings to strings, moved into place.
+  void read_metadata(Json& meta) {
+    if (!meta.is_object()) {
+      ZERO_BAD_FILE(where_, "__metadata__ is a JSON ", meta.type_name(),
+                    "; expected an object mapping strings to strings");
+    }
+    for (auto m = meta.begin(); m != meta.end(); ++m) {
+      if (!m.value().is_string()) {
+        ZERO_BAD_FILE(where_, "__metadata__ entry '", brief_text(m.key()), "' is a JSON ",
+                      m.value().type_name(), " (", brief(m.value()),
+                      "); expected a string (metadata maps strings to strings)");
+      }
+      metadata_.emplace(m.key(), std::move(m.value().get_ref<std::string&>()));
+    }
+  }
+
+  const std::string& where_;
+  const std::uint64_t data_size_;
+  std::vector<TensorInfo>& tensors_;
+  std::map<std::string, std::string>& metadata_;
+  std::size_t depth_ = 0;
+  std::string name_;         // of the top-level entry being read
+  std::string pending_key_;  // the key whose value comes next
+  Json entry_;
+  std::vector<Json*> open_;  // the entry's open arrays and objects, innermost last
+  std::size_t entry_values_ = 0;
+  bool seen_metadata_ = false;
+};
+
+// Every tensor entry of the header, in header order (data_offset from the
+// start of the data section), and its __metadata__.
+std::vector<TensorInfo> read_entries(const std::string& where, std::string_view text, std::uint64_t data_size,
+                                     std::map<std::string, std::string>& metadata) {
+  std::vector<TensorInfo> entries;
+  entries.reserve(count_entries(where, text));
+  EntryReader reader(where, data_size, entries, metadata);
+  Json::sax_parse(text.data(), text.data() + text.size(), &reader);
+  return entries;
+}
+
+// Unique tensor names: a sort of positions, not a set of copies of the names.
+void check_unique_names(const std::string& where, const std::vector<TensorInfo>& entries) {
+  std::vector<std::uint32_t> by_name(entries.size());
+  for (std::size_t i = 0; i < by_name.size(); ++i) by_name[i] = static_cast<std::uint32_t>(i);
+  std::sort(by_name.begin(), by_name.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return entries[a].name < entries[b].name; });
+  for (std::size_t i = 1; i < by_name.size(); ++i) {
+    if (entries[by_name[i]].name == entries[by_name[i - 1]].name) {
+      ZERO_BAD_FILE(where, "header names '", brief_text(entries[by_name[i]].name),
                     "' more than once; expected unique tensor names");
     }
-    ZERO_BAD_FILE(where, "header entry '", brief_text(scanner.duplicate_parent), "' has field '",
-                  brief_text(*scanner.duplicate), "' more than once; expected each field once");
   }
-  if (!scanned || scanner.error) {
-    ZERO_BAD_FILE(where, "header is not valid JSON: ",
-                  parse_error_text(scanner.error.value_or("rejected by the parser")),
-                  "; expected UTF-8 JSON text of an object");
-  }
-  return scanner;
-}
-
-// The header as a DOM, which must be an object.
-Json parse_header(const std::string& where, std::string_view text) {
-  Json header;
-  try {
-    header = Json::parse(text.data(), text.data() + text.size());
-  } catch (const nlohmann::json::exception& e) {
-    ZERO_BAD_FILE(where, "header is not valid JSON: ", parse_error_text(e.what()),
-                  "; expected UTF-8 JSON text of an object");
-  }
-  if (!header.is_object()) {
-    ZERO_BAD_FILE(where, "header is a JSON ", header.type_name(), "; expected an object");
-  }
-  return header;
-}
-
-// The __metadata__ entry: strings to strings.
-void read_metadata(const std::string& where, const Json& meta, std::map<std::string, std::string>& metadata) {
-  if (!meta.is_object()) {
-    ZERO_BAD_FILE(where, "__metadata__ is a JSON ", meta.type_name(),
-                  "; expected an object mapping strings to strings");
-  }
-  for (auto m = meta.begin(); m != meta.end(); ++m) {
-    if (!m.value().is_string()) {
-      ZERO_BAD_FILE(where, "__metadata__ entry '", brief_text(m.key()), "' is a JSON ",
-                    m.value().type_name(), " (", brief(m.value()),
-                    "); expected a string (metadata maps strings to strings)");
-    }
-    metadata.emplace(m.key(), m.value().get<std::string>());
-  }
-}
-
-// Every tensor entry of the header (and its __metadata__ into `metadata`), in
-// the DOM's key order, each knowing its position in the header.
-std::vector<RawEntry> read_entries(const std::string& where, const Json& header,
-                                   const std::unordered_map<std::string, std::size_t>& header_order,
-                                   std::uint64_t data_size, std::map<std::string, std::string>& metadata) {
-  std::vector<RawEntry> entries;
-  entries.reserve(header.size());
-  for (auto item = header.begin(); item != header.end(); ++item) {
-    if (item.key() == "__metadata__") {
-      read_metadata(where, item.value(), metadata);
-      continue;
-    }
-    entries.push_back(parse_tensor_entry(where, item.key(), item.value(), data_size));
-    entries.back().header_index = header_order.at(item.key());
-  }
-  return entries;
 }
 
 // Sorts the tensors by offset and walks them: each must start where the
 // previous ended, so the data section has no overlaps, no holes and no
 // trailing bytes.
-void sort_and_check_tiling(const std::string& where, std::vector<RawEntry>& entries, std::uint64_t data_size) {
-  std::sort(entries.begin(), entries.end(), [](const RawEntry& a, const RawEntry& b) {
-    if (a.begin != b.begin) return a.begin < b.begin;
-    if (a.end != b.end) return a.end < b.end;
-    return a.header_index < b.header_index;
+void sort_and_check_tiling(const std::string& where, std::vector<TensorInfo>& entries, std::uint64_t data_size) {
+  // Stable: zero-sized tensors at one offset keep their header order.
+  std::stable_sort(entries.begin(), entries.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    if (a.data_offset != b.data_offset) return a.data_offset < b.data_offset;
+    return a.byte_size < b.byte_size;
   });
   std::uint64_t covered = 0;
-  const RawEntry* previous = nullptr;
-  for (const RawEntry& e : entries) {
-    if (e.begin < covered) {
-      ZERO_BAD_FILE(where, "tensor '", brief_text(e.name), "' at data_offsets [", e.begin, ", ",
-                    e.end, "] overlaps tensor '", brief_text(previous->name), "' at [",
-                    previous->begin, ", ", previous->end, "]; expected disjoint tensors");
+  const TensorInfo* previous = nullptr;
+  for (const TensorInfo& e : entries) {
+    const std::uint64_t begin = e.data_offset, end = e.data_offset + e.byte_size;
+    if (begin < covered) {
+      ZERO_BAD_FILE(where, "tensor '", brief_text(e.name), "' at data_offsets [", begin, ", ", end,
+                    "] overlaps tensor '", brief_text(previous->name), "' at [", previous->data_offset, ", ",
+                    previous->data_offset + previous->byte_size, "]; expected disjoint tensors");
     }
-    if (e.begin > covered) {
-      ZERO_BAD_FILE(where, "data bytes [", covered, ", ", e.begin,
+    if (begin > covered) {
+      ZERO_BAD_FILE(where, "data bytes [", covered, ", ", begin,
                     ") belong to no tensor (a hole before tensor '", brief_text(e.name),
                     "'); expected tensors to cover the data section without gaps");
     }
-    covered = e.end;
+    covered = end;
     previous = &e;
   }
   if (covered != data_size) {
@@ -467,7 +571,7 @@ SafeTensorsFile::SafeTensorsFile(SafeTensorsFile&& other) noexcept
       owned_(std::move(other.owned_)),
       size_(std::exchange(other.size_, 0)),
       tensors_(std::move(other.tensors_)),
-      index_(std::move(other.index_)),
+      by_name_(std::move(other.by_name_)),
       metadata_(std::move(other.metadata_)) {}
 
 SafeTensorsFile& SafeTensorsFile::operator=(SafeTensorsFile&& other) noexcept {
@@ -478,7 +582,7 @@ SafeTensorsFile& SafeTensorsFile::operator=(SafeTensorsFile&& other) noexcept {
     owned_ = std::move(other.owned_);
     size_ = std::exchange(other.size_, 0);
     tensors_ = std::move(other.tensors_);
-    index_ = std::move(other.index_);
+    by_name_ = std::move(other.by_name_);
     metadata_ = std::move(other.metadata_);
   }
   return *this;
@@ -501,29 +605,22 @@ void SafeTensorsFile::parse() {
   const std::string where = path_.string();
   const std::uint64_t header_size = header_length(where, bytes(), size_);
   const std::string_view text = header_text(where, bytes() + 8, header_size);
-  const KeyScanner scanner = scan_header(where, text);
-  const Json header = parse_header(where, text);
   const std::uint64_t data_start = 8 + header_size;
   const std::uint64_t data_size = size_ - data_start;
-  std::vector<RawEntry> entries = read_entries(where, header, scanner.top_level_order, data_size, metadata_);
-  sort_and_check_tiling(where, entries, data_size);
-
-  tensors_.reserve(entries.size());
-  for (RawEntry& e : entries) {
-    TensorInfo info;
-    info.name = std::move(e.name);
-    info.dtype = e.dtype;
-    info.shape = std::move(e.shape);
-    info.data_offset = data_start + e.begin;
-    info.byte_size = e.end - e.begin;
-    index_.emplace(info.name, tensors_.size());
-    tensors_.push_back(std::move(info));
-  }
+  tensors_ = read_entries(where, text, data_size, metadata_);
+  check_unique_names(where, tensors_);
+  sort_and_check_tiling(where, tensors_, data_size);
+  for (TensorInfo& info : tensors_) info.data_offset += data_start;
+  by_name_.resize(tensors_.size());
+  for (std::size_t i = 0; i < by_name_.size(); ++i) by_name_[i] = i;
+  std::sort(by_name_.begin(), by_name_.end(),
+            [&](std::size_t a, std::size_t b) { return tensors_[a].name < tensors_[b].name; });
 }
 
 const TensorInfo* SafeTensorsFile::find(std::string_view name) const {
-  const auto it = index_.find(name);
-  return it == index_.end() ? nullptr : &tensors_[it->second];
+  const auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                                   [&](std::size_t i, std::string_view n) { return tensors_[i].name < n; });
+  return it == by_name_.end() || tensors_[*it].name != name ? nullptr : &tensors_[*it];
 }
 
 const TensorInfo& SafeTensorsFile::at(std::string_view name) const {

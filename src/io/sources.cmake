@@ -5,4 +5,5 @@ target_sources(zero PRIVATE
   ${PROJECT_SOURCE_DIR}/src/io/safetensors_reader.cpp
   ${PROJECT_SOURCE_DIR}/src/io/safetensors_writer.cpp
   ${PROJECT_SOURCE_DIR}/src/io/atomic_file.cpp
-  ${PROJECT_SOURCE_DIR}/src/io/crc32c.cpp)
+  ${PROJECT_SOURCE_DIR}/src/io/crc32c.cpp
+  ${PROJECT_SOURCE_DIR}/src/io/json_limits.cpp)

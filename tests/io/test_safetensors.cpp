@@ -461,3 +461,34 @@ TEST_CASE("hostile headers: deep nesting and many tensors") {
     CHECK(std::to_integer<std::uint8_t>(file.data(file.tensors()[i])[0]) == values[i]);
   }
 }
+
+TEST_CASE("hostile headers: limits named before anything grows") {
+  // 65 dimensions: over kMaxTensorRank, however valid the sizes.
+  std::string shape = "[";
+  for (int i = 0; i < 65; ++i) shape += i ? ",1" : "1";
+  shape += "]";
+  const std::string rank_message = io_error_of([&] {
+    (void)SafeTensorsFile::from_bytes(
+        with_header(R"({"w":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,1]}})", {std::byte{0}}), "rank");
+  });
+  CHECK(rank_message.find("65 dimensions; expected at most 64 (kMaxTensorRank)") != std::string::npos);
+
+  // 70,000 metadata strings: over kMaxMetadataValues, refused while reading.
+  std::string metadata = R"({"__metadata__":{)";
+  for (int i = 0; i < 70'000; ++i) metadata += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":\"\"";
+  metadata += "}}";
+  const std::string metadata_message =
+      io_error_of([&] { (void)SafeTensorsFile::from_bytes(with_header(metadata, {}), "metadata"); });
+  CHECK(metadata_message.find("kMaxMetadataValues") != std::string::npos);
+
+  // A repeated name is still found without a set of names: after the entries, by sorting.
+  const std::string twice = io_error_of([&] {
+    (void)SafeTensorsFile::from_bytes(
+        with_header(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                    R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},)"
+                    R"("b":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})",
+                    {std::byte{0}, std::byte{0}, std::byte{0}}),
+        "twice");
+  });
+  CHECK(twice.find("names 'b' more than once") != std::string::npos);
+}

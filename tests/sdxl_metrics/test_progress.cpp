@@ -67,6 +67,15 @@ TEST_CASE("format_duration") {
   CHECK(format_duration(std::numeric_limits<double>::infinity()) == "--:--:--");
 }
 
+TEST_CASE("format_progress: memory below 1 GiB (CPU ranks) in MiB, not 0.0 GiB") {
+  Progress small = example();
+  small.mem_max_bytes = 37u << 20;
+  small.mem_min_bytes = (35u << 20) + (1u << 19);
+  const std::string line = format_progress(small, 10.0);
+  CHECK(line.find("mem 37.0/35.5 MiB max/min") != std::string::npos);
+  CHECK(line.find("GiB") == std::string::npos);
+}
+
 TEST_CASE("format_progress: the documented line") {
   CHECK(format_progress(example(), 2710.0) ==
         "step 120/1000 [#.........] 12% | loss 0.1234 (ema 0.1301) | lr 1.00e-05 | 3.21 img/s | "

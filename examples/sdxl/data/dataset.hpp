@@ -103,7 +103,9 @@ class Dataset {
 /// shape error deep inside the UNet's cross-attention.
 inline void check_text_dims(const Dataset& dataset, const TextDims& model) {
   const TextDims have = dataset.text_dims();
-  ZERO_CHECK(have == model, "dataset text embeddings are ", have, " but the model expects ", model);
+  ZERO_CHECK(have == model, "dataset text embeddings are ", have, " but the model expects ", model,
+             " (width: the UNet config's cross_attention_dim; pooled: its projection_class_embeddings_input_dim - 6 x "
+             "addition_time_embed_dim; the sequence length: the dataset's, text_length for synthetic data)");
 }
 
 // ---------------------------------------------------------------------------

@@ -92,7 +92,8 @@ DistributedBucketSampler::DistributedBucketSampler(std::vector<LatentSize> bucke
   ZERO_CHECK(batches_per_epoch_ > 0, "sampler: no bucket holds a global batch of ", global_batch_size_,
              " samples (", options_.batch_size, " per rank x ", options_.world_size, " ranks, ",
              members_.size(), " buckets, ", buckets.size(),
-             " samples); lower the batch size or use LastBatchPolicy::pad");
+             " samples); lower batch_size, run on fewer ranks, or use a dataset with more samples of one latent "
+             "size (synthetic_samples for synthetic data)");
 }
 
 std::vector<GlobalBatch> DistributedBucketSampler::global_batches(std::uint64_t epoch) const {

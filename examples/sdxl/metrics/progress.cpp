@@ -28,7 +28,8 @@ __attribute__((format(printf, 1, 2))) std::string printf_string(const char* form
   return text;
 }
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kGiB = 1024.0 * kMiB;
 constexpr int kDefaultBar = 10;
 constexpr int kMinBar = 5;
 constexpr int kMaxBar = 40;
@@ -88,9 +89,14 @@ std::string format_progress(const Progress& p, std::optional<double> eta_s, int 
   if (std::isfinite(p.loss_ema)) tail += printf_string(" (ema %.4f)", p.loss_ema);
   if (std::isfinite(p.lr)) tail += printf_string(" | lr %.2e", p.lr);
   if (std::isfinite(p.images_per_s)) tail += printf_string(" | %.2f img/s", p.images_per_s);
-  if (p.mem_max_bytes > 0 || p.mem_min_bytes > 0)
-    tail += printf_string(" | mem %.1f/%.1f GiB max/min", static_cast<double>(p.mem_max_bytes) / kGiB,
-                          static_cast<double>(p.mem_min_bytes) / kGiB);
+  if (p.mem_max_bytes > 0 || p.mem_min_bytes > 0) {
+    // GiB for a GPU's tens of GiB; below 1 GiB (a small model on CPU ranks)
+    // MiB, which GiB with one decimal would show as 0.0.
+    const bool gib = static_cast<double>(p.mem_max_bytes) >= kGiB;
+    const double unit = gib ? kGiB : kMiB;
+    tail += printf_string(" | mem %.1f/%.1f %s max/min", static_cast<double>(p.mem_max_bytes) / unit,
+                          static_cast<double>(p.mem_min_bytes) / unit, gib ? "GiB" : "MiB");
+  }
   if (known_total) tail += " | ETA " + format_duration(eta_s.value_or(-1.0));
 
   int bar_length = 0;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 
@@ -115,8 +116,16 @@ class MpiCommunicator final : public Communicator {
 void reduce_in_rank_order(const void* stacked, int ranks, std::size_t count, DType dtype,
                           ReduceOp op, void* out);
 
-/// Runs main_body; on any exception prints it (with the rank) to stderr and
-/// calls MPI_Abort so that no other rank waits forever in a collective.
-int run_or_abort(const std::function<int()>& main_body);
+/// The user's one-line text of an exception zero does not know (a LibTorch
+/// error, say), or nothing to let run_or_abort describe it.
+using FailureDescriber = std::function<std::optional<std::string>(const std::exception&)>;
+
+/// Runs main_body; on any exception prints it to stderr and calls MPI_Abort
+/// so that no other rank waits forever in a collective. The message is
+/// printed once: by rank 0 with its rank when it failed too (then one line
+/// for each other rank whose message differs, and one naming those that
+/// failed the same way), else by the rank that failed. zero's errors show
+/// their source location only in debug mode (ZERO_DEBUG=1).
+int run_or_abort(const std::function<int()>& main_body, const FailureDescriber& describe = {});
 
 }  // namespace zero

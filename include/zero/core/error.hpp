@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -23,8 +24,21 @@ inline std::atomic<int>& process_rank_slot() {
 inline void set_process_rank(int rank) { detail::process_rank_slot().store(rank); }
 inline int process_rank() { return detail::process_rank_slot().load(); }
 
-/// Base of every exception zero throws. what() reads
-/// "[zero rank R] file:line: message".
+/// Debug mode (environment ZERO_DEBUG set to anything but "" or "0"): error
+/// messages name the source file and line that raised them, and top-level
+/// handlers print LibTorch's C++ frames. Off, users see what went wrong and
+/// what to change, not where in zero's sources it was noticed.
+inline bool debug_mode() {
+  static const bool on = [] {
+    const char* value = std::getenv("ZERO_DEBUG");
+    return value != nullptr && *value != '\0' && std::string_view(value) != "0";
+  }();
+  return on;
+}
+
+/// Base of every exception zero throws. what() reads "[zero rank R] message",
+/// and "[zero rank R] file:line: message" in debug mode (file() and line()
+/// always hold the location).
 class Error : public std::runtime_error {
  public:
   Error(std::string message, const char* file, int line)
@@ -39,24 +53,28 @@ class Error : public std::runtime_error {
   const std::string& file() const noexcept { return file_; }
   int line() const noexcept { return line_; }
   int rank() const noexcept { return rank_; }
+  /// "src/io/safetensors_reader.cpp:42": the file from the project's top
+  /// folders on (not the builder's home) and the line.
+  std::string location() const { return location_of(file_.c_str(), line_); }
 
  private:
+  static std::string location_of(const char* file, int line) {
+    std::string_view path(file ? file : "");
+    for (std::string_view top : {"include/zero/", "src/", "tests/", "examples/", "bench/", "tools/"}) {
+      if (auto pos = path.rfind(top); pos != std::string_view::npos) {
+        path = path.substr(pos);
+        break;
+      }
+    }
+    return std::string(path) + ":" + std::to_string(line);
+  }
+
   static std::string format(const std::string& message, const char* file, int line) {
     std::ostringstream out;
     out << "[zero";
     if (int r = process_rank(); r >= 0) out << " rank " << r;
     out << "] ";
-    if (file) {
-      std::string_view path(file);
-      // Keep the path from the project's top folders on, not the builder's home.
-      for (std::string_view top : {"include/zero/", "src/", "tests/", "examples/", "bench/"}) {
-        if (auto pos = path.rfind(top); pos != std::string_view::npos) {
-          path = path.substr(pos);
-          break;
-        }
-      }
-      out << path << ":" << line << ": ";
-    }
+    if (file && debug_mode()) out << location_of(file, line) << ": ";
     out << message;
     return out.str();
   }

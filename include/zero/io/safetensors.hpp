@@ -184,7 +184,7 @@ class SafeTensorsFile {
   std::vector<std::byte> owned_;
   std::uint64_t size_ = 0;
   std::vector<TensorInfo> tensors_;
-  std::map<std::string, std::size_t, std::less<>> index_;
+  std::vector<std::size_t> by_name_;  // positions in tensors_, sorted by name (find() bisects)
   std::map<std::string, std::string> metadata_;
 };
 

@@ -174,7 +174,7 @@ void check_export_range(const TrainConfig& c, const std::vector<std::vector<floa
   const std::string others = beyond > 1 ? " (and " + std::to_string(beyond - 1) + " more tensors)" : "";
   ZERO_THROW(zero::Error, "[output] export_dtype = ", c.export_dtype, ": tensor '", names[*first], "' of the ", which,
              " has max |value| ", first_max, others, ", beyond ", c.export_dtype, "'s largest finite value ", largest,
-             " (it would be written as inf); nothing was exported. Export the run's final checkpoint again with "
+             " (it would be written as inf); no UNet was exported. Export the run's final checkpoint again with "
              "--resume <checkpoint> --export_dtype bf16 (or fp32)");
 }
 

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device_runtime.hpp"
+#include "tf32.hpp"
 #include "zero/comm/nccl_communicator.hpp"
 #include "zero/comm/staged_communicator.hpp"
 #include "zero/cuda/check.hpp"
@@ -40,6 +41,7 @@ DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host
   backend_ = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
   // Shapes are fixed per bucket: timing the algorithms once pays back.
   at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark);
+  allow_tf32(cfg.tf32);  // strict fp32 unless [device] tf32 (LibTorch lets cuDNN use TF32 by default)
 }
 
 DeviceRuntime::~DeviceRuntime() = default;

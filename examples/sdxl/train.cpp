@@ -39,7 +39,7 @@
 #include "stop_signals.hpp"             // SIGTERM/SIGINT/SIGUSR1: checkpoint and stop at a step boundary
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
-#include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
+#include "train_export.hpp"             // export_unets, check_export_options, write_export_check, write_loss_plot
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
@@ -630,9 +630,7 @@ void export_trained_model(Run& run) {
   if (!run.leader) return;
   // Frozen tensors as they were loaded, not rounded to the model dtype.
   use_exact_frozen_values(cfg, run.model.config, engine, {&weights, &ema});
-  export_weights(cfg, run.model.config, weights, fs::path(cfg.output_dir) / "unet", run.model.parameter_names);
-  if (!ema.empty())
-    export_weights(cfg, run.model.config, ema, fs::path(cfg.output_dir) / "unet_ema", run.model.parameter_names);
+  export_unets(cfg, run.model.config, weights, ema, run.model.parameter_names);
   run.metrics.tensorboard->flush();
   write_loss_plot(cfg);
   std::printf("exported %s/unet%s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", cfg.output_dir.c_str(),
@@ -662,6 +660,7 @@ int main(int argc, char** argv) {
     GradientFaults faults;  // its address is in the gradient hook: lives as long as the model
     prepare_gradients(cfg, model, faults, host_comm);
     if (leader) describe_model(cfg, model);
+    check_export_options(cfg, *model.unet, leader);  // before training: a bad export_full_checkpoint fails now
 
     TrainData data = open_data(cfg, model, runtime.communicator(), host_comm);
     MetricsSinks metrics(cfg, data.resumed, host_comm);

@@ -158,11 +158,24 @@ std::vector<Option> options_of(TrainConfig& c) {
        "unnoticed"},
       {"output", "stop_after", &c.stop_after, "save a checkpoint and stop after this step, to resume later (0: off)"},
       {"output", "export_single_file", &c.export_single_file, "also export the original single-file layout"},
+      {"output", "export_dtype", &c.export_dtype,
+       "fp32, bf16 or fp16: dtype of every exported UNet (folders, single files, full checkpoint); fp16 refuses "
+       "values beyond its range"},
+      {"output", "export_full_checkpoint", &c.export_full_checkpoint,
+       "a base single-file SDXL checkpoint (original layout, e.g. sd_xl_base_1.0.safetensors): write "
+       "output_dir/full_checkpoint.safetensors, the base with its UNet replaced by the trained one (checked before "
+       "training); empty: off"},
+      {"output", "export_full_checkpoint_unet", &c.export_full_checkpoint_unet,
+       "the UNet the full checkpoint holds: auto (the EMA UNet when ema_decay > 0, else the trained one), ema or "
+       "trained"},
       {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
       {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
       {"device", "device", &c.device, "cpu or cuda"},
       {"device", "cudnn_benchmark", &c.cudnn_benchmark,
        "time cuDNN's convolution algorithms on the first step of each shape and keep the fastest"},
+      {"device", "tf32", &c.tf32,
+       "let fp32 matmuls (cuBLAS) and convolutions (cuDNN) use TF32 tensor cores on CUDA (10-bit mantissa "
+       "products); false: strict fp32. Only fp32 computation is affected"},
       {"device", "max_gpu_memory", &c.max_gpu_memory,
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
       {"device", "attention", &c.attention,
@@ -412,6 +425,10 @@ void TrainConfig::validate() const {
   ZERO_CHECK(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got ", keep_checkpoints);
   ZERO_CHECK(stop_after >= 0 && stop_after <= steps, "stop_after must be in [0, steps], got ", stop_after);
   one_of(device, {"cpu", "cuda"}, "device");
+  one_of(export_dtype, {"fp32", "bf16", "fp16"}, "export_dtype");
+  one_of(export_full_checkpoint_unet, {"auto", "ema", "trained"}, "export_full_checkpoint_unet");
+  ZERO_CHECK(export_full_checkpoint_unet != "ema" || ema_decay > 0,
+             "export_full_checkpoint_unet = \"ema\" needs an EMA ([optimizer] ema_decay > 0)");
 }
 
 std::string TrainConfig::to_toml() const {

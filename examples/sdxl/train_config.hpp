@@ -83,11 +83,18 @@ struct TrainConfig {
   bool accept_unchecksummed_checkpoint = false;
   std::int64_t stop_after = 0;         // save a checkpoint and stop after this step (0: run to the end)
   bool export_single_file = false;     // also write the original single-file layout
+  std::string export_dtype = "fp32";   // fp32, bf16, fp16: the dtype of every exported UNet tensor
+  /// A base single file (original SDXL layout, e.g. sd_xl_base_1.0.safetensors):
+  /// output_dir/full_checkpoint.safetensors is that file with its UNet replaced
+  /// by the trained one. Checked before training. Empty: not written.
+  std::string export_full_checkpoint;
+  std::string export_full_checkpoint_unet = "auto";  // auto (EMA when ema_decay > 0), ema, trained
   bool save_final = true;              // checkpoint after the last step
   bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
   // [device]
   std::string device = "cpu";          // cpu, cuda
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
+  bool tf32 = false;                   // TF32 tensor cores for fp32 matmuls and convolutions (false: strict fp32)
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
   std::string attention = "default";   // scaled-dot-product attention kernel: default, flash, efficient, cudnn, math
   bool channels_last = false;          // convolutional path in NHWC (fused NHWC GroupNorm+SiLU on CUDA)

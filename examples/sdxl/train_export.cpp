@@ -1,13 +1,18 @@
 #include "train_export.hpp"
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 
+#include "full_checkpoint.hpp"
 #include "metrics/jsonl_writer.hpp"
 #include "metrics/loss_plot.hpp"
 #include "unet_io.hpp"
+#include "zero/io/crc32c.hpp"
 
 namespace sdxl {
 
@@ -79,8 +84,33 @@ void write_export_check(const TrainConfig& c, UNet2DConditionModel& model, const
   if (leader) write_tensors(fs::path(c.output_dir) / "export_check.safetensors", io);
 }
 
-void export_weights(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
-                    const fs::path& where, const std::vector<std::string>& names) {
+namespace {
+
+torch::ScalarType export_scalar_type(const TrainConfig& c) {
+  switch (zero::parse_dtype(c.export_dtype, "export_dtype")) {
+    case zero::DType::fp32: return torch::kFloat32;
+    case zero::DType::bf16: return torch::kBFloat16;
+    case zero::DType::fp16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+bool full_checkpoint_uses_ema(const TrainConfig& c) {
+  return c.export_full_checkpoint_unet == "ema" || (c.export_full_checkpoint_unet == "auto" && c.ema_decay > 0);
+}
+
+fs::path full_checkpoint_path(const TrainConfig& c) { return fs::path(c.output_dir) / "full_checkpoint.safetensors"; }
+
+/// The size and CRC32C of a file just written, read back from the disk: what
+/// a copy of it can be checked against.
+void report_file(const fs::path& path, const std::string& what) {
+  std::printf("export: %s (%s): %llu bytes, CRC32C %08x\n", path.c_str(), what.c_str(),
+              static_cast<unsigned long long>(fs::file_size(path)), zero::io::file_crc32c(path));
+  std::fflush(stdout);
+}
+
+UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                                  const std::vector<std::string>& names) {
   UNet2DConditionModel model(ucfg, UNetBuildOptions{.initialize = false});
   std::map<std::string, torch::Tensor> by_name;
   for (auto& item : model->named_parameters()) by_name[item.key()] = item.value();
@@ -89,9 +119,100 @@ void export_weights(const TrainConfig& c, const UNetConfig& ucfg, const std::vec
     torch::Tensor p = by_name.at(names[i]);
     p.copy_(torch::from_blob(const_cast<float*>(weights[i].data()), p.sizes(), torch::kFloat32));
   }
-  save_unet(*model, where);
-  if (c.export_single_file) save_unet(*model, fs::path(where.string() + ".safetensors"), std::nullopt,
-                                      CheckpointFormat::kOriginalSingleFile);
+  return model;
+}
+
+/// The folder `where` and, with export_single_file, `where`.safetensors.
+void save_unet_files(const TrainConfig& c, const UNet2DConditionModelImpl& model, const fs::path& where,
+                     const std::string& which) {
+  const torch::ScalarType dtype = export_scalar_type(c);
+  save_unet(model, where, dtype);
+  report_file(where / "diffusion_pytorch_model.safetensors", which + ", diffusers layout, " + c.export_dtype);
+  if (!c.export_single_file) return;
+  const fs::path single(where.string() + ".safetensors");
+  save_unet(model, single, dtype, CheckpointFormat::kOriginalSingleFile);
+  report_file(single, which + ", original layout, " + c.export_dtype);
+}
+
+}  // namespace
+
+void check_export_options(const TrainConfig& c, const UNet2DConditionModelImpl& model, bool leader) {
+  if (!c.export_unet || c.export_full_checkpoint.empty()) return;
+  const FullCheckpointBase base = check_full_checkpoint_base(c.export_full_checkpoint, model);
+  if (leader)
+    std::printf("export_full_checkpoint: base '%s' checked: %zu tensors, %llu bytes, its %zu UNet tensors match the "
+                "trained UNet; %s will hold the %s UNet in %s and every other tensor of the base, byte for byte\n",
+                c.export_full_checkpoint.c_str(), base.tensors, static_cast<unsigned long long>(base.file_size),
+                base.unet_tensors, full_checkpoint_path(c).c_str(), full_checkpoint_uses_ema(c) ? "EMA" : "trained",
+                c.export_dtype.c_str());
+}
+
+void check_export_range(const TrainConfig& c, const std::vector<std::vector<float>>& weights,
+                        const std::vector<std::string>& names, const std::string& which) {
+  const zero::DType dtype = zero::parse_dtype(c.export_dtype, "export_dtype");
+  if (dtype == zero::DType::fp32) return;
+  const float largest = dtype == zero::DType::fp16 ? 65504.0f : std::numeric_limits<float>::max();
+  std::size_t beyond = 0;
+  std::optional<std::size_t> first;
+  float first_max = 0;
+  for (std::size_t p = 0; p < weights.size(); ++p) {
+    float max_abs = 0;
+    bool overflows = false;
+    for (float v : weights[p]) {
+      if (!std::isfinite(v)) continue;
+      max_abs = std::max(max_abs, std::fabs(v));
+      overflows = overflows || !std::isfinite(zero::round_to(dtype, v));
+    }
+    if (!overflows) continue;
+    ++beyond;
+    if (!first) {
+      first = p;
+      first_max = max_abs;
+    }
+  }
+  if (!first) return;
+  const std::string others = beyond > 1 ? " (and " + std::to_string(beyond - 1) + " more tensors)" : "";
+  ZERO_THROW(zero::Error, "[output] export_dtype = ", c.export_dtype, ": tensor '", names[*first], "' of the ", which,
+             " has max |value| ", first_max, others, ", beyond ", c.export_dtype, "'s largest finite value ", largest,
+             " (it would be written as inf); no UNet was exported. Export the run's final checkpoint again with "
+             "--resume <checkpoint> --export_dtype bf16 (or fp32)");
+}
+
+void export_weights(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                    const fs::path& where, const std::vector<std::string>& names) {
+  UNet2DConditionModel model = unet_holding(ucfg, weights, names);
+  save_unet_files(c, *model, where, where.filename().string());
+}
+
+void export_unets(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                  const std::vector<std::vector<float>>& ema, const std::vector<std::string>& names) {
+  check_export_range(c, weights, names, "trained UNet");
+  if (!ema.empty()) check_export_range(c, ema, names, "EMA UNet");
+  const bool full_from_ema = full_checkpoint_uses_ema(c) && !ema.empty();
+  struct Export {
+    const std::vector<std::vector<float>>& values;
+    const char* folder;
+    const char* which;
+    bool full_checkpoint;
+  };
+  for (const Export& e : {Export{weights, "unet", "trained UNet", !full_from_ema},
+                          Export{ema, "unet_ema", "EMA UNet", full_from_ema}}) {
+    if (e.values.empty()) continue;  // no EMA
+    // One model at a time: SDXL's is 10 GB in fp32.
+    UNet2DConditionModel model = unet_holding(ucfg, e.values, names);
+    save_unet_files(c, *model, fs::path(c.output_dir) / e.folder, e.which);
+    if (!e.full_checkpoint || c.export_full_checkpoint.empty()) continue;
+    const fs::path out = full_checkpoint_path(c);
+    const FullCheckpointWritten written =
+        write_full_checkpoint(c.export_full_checkpoint, *model, export_scalar_type(c), out);
+    std::printf("export: %s (full checkpoint: the %s in %s and %zu tensors of '%s', %llu bytes, copied): %llu bytes, "
+                "CRC32C %08x; read back: %zu tensors with the base's names, shapes and dtypes, the UNet's as written, "
+                "the others byte-identical to the base\n",
+                out.c_str(), e.which, c.export_dtype.c_str(), written.tensors - written.unet_tensors,
+                c.export_full_checkpoint.c_str(), static_cast<unsigned long long>(written.copied_bytes),
+                static_cast<unsigned long long>(written.file_size), written.crc32c, written.tensors);
+    std::fflush(stdout);
+  }
 }
 
 void write_loss_plot(const TrainConfig& c) {

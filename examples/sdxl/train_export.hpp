@@ -41,10 +41,33 @@ void use_exact_frozen_values(const TrainConfig& c, const UNetConfig& ucfg, const
 void write_export_check(const TrainConfig& c, UNet2DConditionModel& model, const data::TextDims& text,
                         torch::Device device, torch::ScalarType compute_type, bool leader);
 
+/// Checked before training, so that a run does not train for hours and then
+/// fail at its export: [output] export_full_checkpoint's base must be a
+/// safetensors file holding `model`'s UNet in the original layout
+/// (check_full_checkpoint_base). Rank 0 (`leader`) says what will be exported.
+void check_export_options(const TrainConfig& c, const UNet2DConditionModelImpl& model, bool leader);
+
+/// Refuses (zero::Error naming the tensor of `which` UNet and its largest
+/// |value|) weights that export_dtype cannot hold: a finite value that would
+/// round to infinity (fp16: |x| >= 65520). fp32 holds everything.
+void check_export_range(const TrainConfig& c, const std::vector<std::vector<float>>& weights,
+                        const std::vector<std::string>& names, const std::string& which);
+
 /// A UNet of `ucfg` holding `weights` (fp32, in the order of `names`), saved
-/// to the folder `where` (and `where`.safetensors with export_single_file).
+/// in export_dtype to the folder `where` (and `where`.safetensors in the
+/// original layout with export_single_file); each file's size and CRC32C printed.
 void export_weights(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
                     const std::filesystem::path& where, const std::vector<std::string>& names);
+
+/// Every export of a finished run (rank 0), in export_dtype, each file
+/// written atomically and reported with its size and CRC32C:
+/// output_dir/unet (export_weights), the same for `ema` as unet_ema when not
+/// empty, and with export_full_checkpoint output_dir/full_checkpoint.safetensors
+/// holding the UNet export_full_checkpoint_unet names.
+/// `weights` and `ema` (fp32) follow the order of `names`. Both are checked
+/// with check_export_range before anything is written.
+void export_unets(const TrainConfig& c, const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                  const std::vector<std::vector<float>>& ema, const std::vector<std::string>& names);
 
 /// output_dir/loss.svg from the loss column of output_dir/metrics.jsonl.
 void write_loss_plot(const TrainConfig& c);

@@ -4,7 +4,7 @@
 //   unet_bench [--device cuda] [--dtype bf16] [--batch 1] [--latent 128] [--tokens 77]
 //              [--steps 5] [--warmup 2] [--backward] [--checkpointing]
 //              [--attention default|flash|efficient|cudnn|math] [--channels_last] [--cuda_graph]
-//              [--profile trace.json]
+//              [--profile trace.json] [--tf32]
 //
 // Prints the mean step time over --steps after --warmup untimed steps.
 // --cuda_graph captures one step in a CUDA graph and times its replays (the
@@ -20,6 +20,7 @@
 
 #include "attention_backend.hpp"
 #include "profile_trace.hpp"
+#include "tf32.hpp"
 #include "unet.hpp"
 #include "zero/core/dtype.hpp"
 
@@ -35,7 +36,7 @@ namespace {
 struct BenchOptions {
   std::string device_name = "cuda", dtype_name = "bf16";
   std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
-  bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false;
+  bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false, tf32 = false;
   std::string json_path, attention = "default", profile_path;
 };
 
@@ -53,6 +54,7 @@ void add_options(CLI::App& app, BenchOptions& o) {
   app.add_option("--attention", o.attention, "scaled-dot-product attention kernel: " + sdxl::attention_backend_choices())
       ->capture_default_str();
   app.add_flag("--channels_last", o.channels_last, "run the convolutional path in NHWC (UNet::set_channels_last)");
+  app.add_flag("--tf32", o.tf32, "--dtype fp32 on CUDA: let matmuls and convolutions use TF32 (default: strict fp32)");
   app.add_flag("--cuda_graph", o.cuda_graph, "capture one step in a CUDA graph and time its replays (CUDA only)");
   app.add_option("--profile", o.profile_path, "write a Kineto trace of one more step to this file (CUDA only)");
 }
@@ -165,7 +167,8 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
   const double tflop = 20.62 * o.batch * (o.latent * o.latent) / (128.0 * 128.0) / (o.backward ? 1.0 : 3.0);
   const double tflops = tflop / (ms / 1e3);
   std::cout << (o.backward ? "forward+backward" : "forward") << (o.checkpointing ? " (checkpointing)" : "")
-            << (o.cuda_graph ? " (CUDA graph)" : "") << (o.channels_last ? " (channels-last)" : "") << ", attention "
+            << (o.cuda_graph ? " (CUDA graph)" : "") << (o.channels_last ? " (channels-last)" : "")
+            << (o.dtype_name == "fp32" ? (o.tf32 ? " (TF32)" : " (strict fp32)") : "") << ", attention "
             << o.attention << ", batch " << o.batch << ", latent " << o.latent << "x" << o.latent << ", "
             << o.dtype_name << " on " << device << ": " << ms << " ms/step, " << 1e3 * o.batch / ms << " images/s, "
             << tflops << " TFLOP/s (MFU " << 100 * tflops / 989.0 << "% of 989), peak allocated " << peak_gib
@@ -175,7 +178,7 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
   out << "{\"pass\": \"" << (o.backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
       << (o.checkpointing ? "true" : "false") << ", \"cuda_graph\": " << (o.cuda_graph ? "true" : "false")
       << ", \"channels_last\": " << (o.channels_last ? "true" : "false") << ", \"attention\": \"" << o.attention
-      << "\", \"batch\": " << o.batch << ", \"latent\": " << o.latent << ", \"dtype\": \"" << o.dtype_name
+      << "\", \"tf32\": " << (o.tf32 ? "true" : "false") << ", \"batch\": " << o.batch << ", \"latent\": " << o.latent << ", \"dtype\": \"" << o.dtype_name
       << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": " << 1e3 * o.batch / ms << ", \"tflops\": " << tflops
       << ", \"mfu_vs_989\": " << tflops / 989.0 << ", \"peak_allocated_gib\": " << peak_gib
       << ", \"steps\": " << o.steps << "}\n";
@@ -184,6 +187,7 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
 void run_bench(const BenchOptions& o) {
   const torch::Device device(o.device_name);
   sdxl::select_attention_backend(o.attention, "--attention");
+  sdxl::allow_tf32(o.tf32);
   if ((o.cuda_graph || !o.profile_path.empty()) && !device.is_cuda())
     throw std::invalid_argument("--cuda_graph and --profile need --device cuda");
 #ifndef UNET_BENCH_CUDA_STATS

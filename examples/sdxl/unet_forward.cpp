@@ -1,6 +1,6 @@
 // unet_forward: one forward pass of the SDXL UNet from safetensors files.
 //
-//   unet_forward --model M --inputs I --output O [--device cpu|cuda] [--dtype fp32|bf16|fp16]
+//   unet_forward --model M --inputs I --output O [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--tf32]
 //
 //   --model   a .safetensors file with the diffusers config in its "config"
 //             metadata, or a diffusers folder (see unet_io.hpp)
@@ -9,6 +9,8 @@
 //   --output  safetensors receiving "sample" [B,4,H,W] as float32
 //   --device  cpu (default) or cuda / cuda:N
 //   --dtype   compute dtype of weights and activations: fp32 (default), bf16, fp16
+//   --tf32    on CUDA, let fp32 matmuls and convolutions use TF32 tensor cores;
+//             without it fp32 is strict (cuDNN's TF32 default is turned off)
 
 #include <CLI/CLI.hpp>
 
@@ -17,6 +19,7 @@
 #include <iostream>
 
 #include "torch_errors.hpp"
+#include "tf32.hpp"
 #include "unet_io.hpp"
 #include "zero/core/dtype.hpp"
 #include "zero/core/error.hpp"
@@ -48,6 +51,8 @@ int run(int argc, char** argv) {
   app.add_option("--output", output_path, "safetensors file to write 'sample' (float32) to")->required();
   app.add_option("--device", device_name, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
+  bool tf32 = false;
+  app.add_flag("--tf32", tf32, "CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (default: strict fp32)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -59,6 +64,7 @@ int run(int argc, char** argv) {
   ZERO_CHECK(!device.is_cuda() || torch::cuda::is_available(), "--device ", device_name,
              ": this LibTorch build or machine has no CUDA device");
   const torch::ScalarType dtype = scalar_type_of(zero::parse_dtype(dtype_name, "--dtype"));
+  sdxl::allow_tf32(tf32);
 
   const auto start = std::chrono::steady_clock::now();
   sdxl::UNet2DConditionModel model =
@@ -90,7 +96,8 @@ int run(int argc, char** argv) {
   }
   sdxl::write_tensors(output_path, {{"sample", out.to(torch::kCPU, torch::kFloat32)}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::cout << "unet_forward: sample " << out.sizes() << " (" << dtype_name << " on " << device << ") -> "
+  std::cout << "unet_forward: sample " << out.sizes() << " (" << dtype_name << " on " << device
+            << (device.is_cuda() && dtype == torch::kFloat32 ? (tf32 ? ", TF32" : ", strict fp32") : "") << ") -> "
             << output_path << " in " << seconds << " s\n";
   return 0;
 }

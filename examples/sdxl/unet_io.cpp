@@ -452,6 +452,8 @@ void save_unet(const UNet2DConditionModelImpl& model, const fs::path& path, std:
   writer.commit();
 }
 
+TensorDType safetensors_dtype_of(torch::ScalarType type) { return to_tensor_dtype(type); }
+
 std::map<std::string, Tensor> read_tensors(const fs::path& path) {
   refuse_pickle(path);
   const SafeTensorsFile file = SafeTensorsFile::open(path);

@@ -26,6 +26,7 @@
 
 #include "unet.hpp"
 #include "unet_config.hpp"
+#include "zero/io/safetensors.hpp"
 
 namespace sdxl {
 
@@ -63,6 +64,10 @@ void save_unet(const UNet2DConditionModelImpl& model, const std::filesystem::pat
 /// for every parameter of a model with this config, in state-dict order.
 /// Throws zero::InvalidArgument for configs the original layout cannot express.
 std::vector<std::pair<std::string, std::string>> original_checkpoint_names(const UNet2DConditionModelImpl& model);
+
+/// The safetensors dtype that stores `type` (F64/F32/F16/BF16 and the
+/// integer types); zero::InvalidArgument for others.
+zero::io::TensorDType safetensors_dtype_of(torch::ScalarType type);
 
 /// Every tensor of a safetensors file, copied to CPU tensors of the stored
 /// dtype (F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL).

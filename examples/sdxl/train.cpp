@@ -38,6 +38,7 @@
 #include "train_config.hpp"             // TrainConfig and its command line
 #include "train_export.hpp"             // export_weights, write_export_check, write_loss_plot
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
+#include "train_lora.hpp"               // [lora]: adapters on the frozen UNet, their export
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
 #include "unet.hpp"                     // UNet2DConditionModel
 #include "unet_io.hpp"                  // read_unet_config
@@ -121,6 +122,7 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   ModelOnEngine m;
   m.config = resolve_model_config(cfg.model_config);
   m.unet = starting_unet(cfg, m.config);  // the same initial weights on every rank
+  if (lora_enabled(cfg)) add_lora_adapters(cfg, *m.unet);  // before units(): adapters are in their layer's unit
   std::vector<zero::adapter::UnitSpec> units;
   std::vector<std::string> names;
   std::vector<std::int64_t> numels;
@@ -133,7 +135,13 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   }
   // [model] freeze: ShardedModel treats a parameter that does not require
   // grad as frozen (values only, never changed), so the flag is all it takes.
-  const std::vector<bool> frozen = frozen_parameters(cfg, names);
+  // LoRA freezes everything but the adapters.
+  std::vector<bool> frozen(names.size());
+  if (lora_enabled(cfg)) {
+    for (std::size_t i = 0; i < names.size(); ++i) frozen[i] = !is_lora_parameter(names[i]);
+  } else {
+    frozen = frozen_parameters(cfg, names);
+  }
   std::size_t next = 0;  // units list the parameters in the order of names
   for (zero::adapter::UnitSpec& u : units)
     for (auto& [n, t] : u.params)
@@ -142,7 +150,8 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   const ParamGrouping grouping = group_parameters(cfg, names, frozen);
   options.param_groups = grouping.groups;
   if (leader)
-    std::printf("%s%s", describe_freeze(cfg, frozen, numels).c_str(),
+    std::printf("%s%s", lora_enabled(cfg) ? describe_lora(cfg, *m.unet, names, numels).c_str()
+                                          : describe_freeze(cfg, frozen, numels).c_str(),
                 describe_grouping(grouping, options.optimizer, numels).c_str());
   // A frozen parameter's group is never used (the engine reads groups of
   // trained parameters only); 0 keeps it a valid index.
@@ -370,6 +379,7 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   };
   data::Batch batch = run.data.loader->next();
   loop.sampler_state = batch.state_after;
+  seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
   torch::Tensor latents = tensor_of(batch.latents, batch.latents_shape);
   torch::Tensor prompt = tensor_of(batch.prompt_embeds, batch.prompt_embeds_shape);
   torch::Tensor pooled = tensor_of(batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
@@ -560,13 +570,24 @@ void export_trained_model(Run& run) {
   if (!run.leader) return;
   // Frozen tensors as they were loaded, not rounded to the model dtype.
   use_exact_frozen_values(cfg, run.model.config, engine, {&weights, &ema});
-  export_weights(cfg, run.model.config, weights, fs::path(cfg.output_dir) / "unet", run.model.parameter_names);
-  if (!ema.empty())
-    export_weights(cfg, run.model.config, ema, fs::path(cfg.output_dir) / "unet_ema", run.model.parameter_names);
+  const fs::path out = cfg.output_dir;
+  const std::vector<std::string>& names = run.model.parameter_names;
+  std::string exported;
+  if (lora_enabled(cfg)) {
+    // The adapters (and with merge_lora the UNet they make); the base is the one loaded.
+    export_lora(cfg, run.model.config, weights, names, out / "lora", out / "unet");
+    if (!ema.empty()) export_lora(cfg, run.model.config, ema, names, out / "lora_ema", out / "unet_ema");
+    exported = out.string() + "/lora" + (ema.empty() ? "" : " and lora_ema") +
+               (cfg.merge_lora ? std::string(" (merged: unet") + (ema.empty() ? "" : ", unet_ema") + ")" : "");
+  } else {
+    export_weights(cfg, run.model.config, weights, out / "unet", names);
+    if (!ema.empty()) export_weights(cfg, run.model.config, ema, out / "unet_ema", names);
+    exported = out.string() + "/unet" + (ema.empty() ? "" : " and unet_ema");
+  }
   run.metrics.tensorboard->flush();
   write_loss_plot(cfg);
-  std::printf("exported %s/unet%s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", cfg.output_dir.c_str(),
-              ema.empty() ? "" : " and unet_ema", cfg.output_dir.c_str());
+  std::printf("exported %s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", exported.c_str(),
+              cfg.output_dir.c_str());
 }
 
 }  // namespace

@@ -42,6 +42,7 @@
 #include "train_export.hpp"             // export_unets, check_export_options, write_export_check, write_loss_plot
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
+#include "train_lora.hpp"               // [lora]: adapters on the frozen UNet, their export
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
 #include "torch_errors.hpp"             // with_torch_errors: LibTorch's errors in one line
 #include "unet.hpp"                     // UNet2DConditionModel
@@ -147,6 +148,7 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   m.unet = with_torch_errors("building the UNet of model_config '" + cfg.model_config + "'",
                              "choose a smaller model_config or fewer ranks per host",
                              [&] { return starting_unet(cfg, m.config); });  // the same initial weights on every rank
+  if (lora_enabled(cfg)) add_lora_adapters(cfg, *m.unet);  // before units(): adapters are in their layer's unit
   std::vector<zero::adapter::UnitSpec> units;
   std::vector<std::string> names;
   std::vector<std::int64_t> numels;
@@ -159,7 +161,13 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   }
   // [model] freeze: ShardedModel treats a parameter that does not require
   // grad as frozen (values only, never changed), so the flag is all it takes.
-  const std::vector<bool> frozen = frozen_parameters(cfg, names);
+  // LoRA freezes everything but the adapters.
+  std::vector<bool> frozen(names.size());
+  if (lora_enabled(cfg)) {
+    for (std::size_t i = 0; i < names.size(); ++i) frozen[i] = !is_lora_parameter(names[i]);
+  } else {
+    frozen = frozen_parameters(cfg, names);
+  }
   std::size_t next = 0;  // units list the parameters in the order of names
   for (zero::adapter::UnitSpec& u : units)
     for (auto& [n, t] : u.params)
@@ -168,7 +176,8 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   const ParamGrouping grouping = group_parameters(cfg, names, frozen);
   options.param_groups = grouping.groups;
   if (leader)
-    std::printf("%s%s", describe_freeze(cfg, frozen, numels).c_str(),
+    std::printf("%s%s", lora_enabled(cfg) ? describe_lora(cfg, *m.unet, names, numels).c_str()
+                                          : describe_freeze(cfg, frozen, numels).c_str(),
                 describe_grouping(grouping, options.optimizer, numels).c_str());
   // A frozen parameter's group is never used (the engine reads groups of
   // trained parameters only); 0 keeps it a valid index.
@@ -404,6 +413,7 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   };
   data::Batch batch = run.data.loader->next();
   loop.sampler_state = batch.state_after;
+  seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
   torch::Tensor latents = tensor_of(batch.latents, batch.latents_shape);
   torch::Tensor prompt = tensor_of(batch.prompt_embeds, batch.prompt_embeds_shape);
   torch::Tensor pooled = tensor_of(batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
@@ -630,11 +640,23 @@ void export_trained_model(Run& run) {
   if (!run.leader) return;
   // Frozen tensors as they were loaded, not rounded to the model dtype.
   use_exact_frozen_values(cfg, run.model.config, engine, {&weights, &ema});
-  export_unets(cfg, run.model.config, weights, ema, run.model.parameter_names);
+  const fs::path out = cfg.output_dir;
+  std::string exported = out.string() + "/unet" + (ema.empty() ? "" : " and unet_ema");
+  if (lora_enabled(cfg)) {
+    // The adapters, and with merge_lora the UNet they make (exported like any other).
+    const MergedUNet merged = export_lora(cfg, run.model.config, weights, run.model.parameter_names, out / "lora");
+    const MergedUNet merged_ema =
+        ema.empty() ? MergedUNet{} : export_lora(cfg, run.model.config, ema, run.model.parameter_names, out / "lora_ema");
+    if (cfg.merge_lora) export_unets(cfg, run.model.config, merged.weights, merged_ema.weights, merged.names);
+    exported = out.string() + "/lora" + (ema.empty() ? "" : " and lora_ema") +
+               (cfg.merge_lora ? " (merged: " + exported + ")" : "");
+  } else {
+    export_unets(cfg, run.model.config, weights, ema, run.model.parameter_names);
+  }
   run.metrics.tensorboard->flush();
   write_loss_plot(cfg);
-  std::printf("exported %s/unet%s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", cfg.output_dir.c_str(),
-              ema.empty() ? "" : " and unet_ema", cfg.output_dir.c_str());
+  std::printf("exported %s; metrics in %s/metrics.jsonl, tensorboard/, loss.svg\n", exported.c_str(),
+              cfg.output_dir.c_str());
 }
 
 }  // namespace

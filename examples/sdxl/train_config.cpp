@@ -95,12 +95,22 @@ struct Option {
   const char* key;
   Field field;
   const char* help;
+  const char* flag = nullptr;  // the command-line name when not the key ([lora] rank is --lora_rank)
+  std::string command_line() const { return std::string("--") + (flag != nullptr ? flag : key); }
 };
 
 std::vector<Option> options_of(TrainConfig& c) {
   return {
       {"model", "model_config", &c.model_config, "\"tiny\", \"sdxl-base\", or a diffusers config.json / UNet folder"},
       {"model", "model_weights", &c.model_weights, "weights to start from (safetensors file, diffusers folder, single file); empty: random init"},
+      {"lora", "rank", &c.lora_rank, "LoRA rank: train adapters on the frozen UNet (0: train the UNet itself)",
+       "lora_rank"},
+      {"lora", "alpha", &c.lora_alpha, "LoRA alpha: the adapters are scaled by alpha / rank (0: alpha = rank)",
+       "lora_alpha"},
+      {"lora", "dropout", &c.lora_dropout, "dropout on the adapters' input while training", "lora_dropout"},
+      {"lora", "init_from", &c.lora_init_from,
+       "start the adapters from this LoRA file (diffusers/PEFT or kohya naming; same rank and layers)",
+       "lora_init_from"},
       {"data", "dataset", &c.dataset, "cached dataset folder (see docs/dataset.md)"},
       {"data", "synthetic", &c.synthetic, "train on generated samples with a learnable structure"},
       {"data", "synthetic_samples", &c.synthetic_samples, "number of synthetic samples"},
@@ -170,6 +180,8 @@ std::vector<Option> options_of(TrainConfig& c) {
        "trained"},
       {"output", "save_final", &c.save_final, "save a checkpoint after the last step"},
       {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
+      {"output", "merge_lora", &c.merge_lora,
+       "with LoRA: also export the UNet with the adapters merged into its weights (output_dir/unet)"},
       {"device", "device", &c.device, "cpu or cuda"},
       {"device", "cudnn_benchmark", &c.cudnn_benchmark,
        "time cuDNN's convolution algorithms on the first step of each shape and keep the fastest"},
@@ -228,7 +240,7 @@ void set_from_toml(const Option& o, const toml::node& node, const std::string& o
 }
 
 void set_from_text(const Option& o, const std::string& text) {
-  const std::string where = std::string("--") + o.key;
+  const std::string where = o.command_line();
   std::visit(
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
@@ -310,11 +322,15 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
     const std::string table(table_key.str());
     const toml::table* entries = table_node.as_table();
     ZERO_CHECK(entries != nullptr, origin, ": top-level key '", table,
-               "' must be a table ([model], [data], [train], [optimizer], [zero], [output], [device])");
+               "' must be a table ([model], [lora], [data], [train], [optimizer], [zero], [output], [device])");
     for (const auto& [key_node, value] : *entries) {
       const std::string key(key_node.str());
       if (table == "model" && key == "freeze") {
         config.freeze = string_list(value, origin + ": [model] freeze");
+        continue;
+      }
+      if (table == "lora" && key == "targets") {
+        config.lora_targets = string_list(value, origin + ": [lora] targets");
         continue;
       }
       if (table == "optimizer" && key == "no_weight_decay") {
@@ -333,6 +349,7 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
         for (const Option& o : options)
           if (key == o.key) hint = std::string(" (it belongs in [") + o.table + "])";
         if (key == "freeze") hint = " (it belongs in [model])";
+        if (key == "targets") hint = " (it belongs in [lora])";
         if (key == "no_weight_decay" || key == "groups") hint = " (it belongs in [optimizer])";
         ZERO_THROW(zero::InvalidArgument, origin, ": unknown key '", table, ".", key, "'", hint);
       }
@@ -352,6 +369,25 @@ void TrainConfig::validate() const {
     for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
     ZERO_THROW(InvalidArgument, key, ": '", value, "' is not one of ", list);
   };
+  ZERO_CHECK(lora_rank >= 0 && lora_rank <= 65536, "[lora] rank must be in [0, 65536] (0: no LoRA), got ", lora_rank);
+  if (lora_rank > 0) {
+    ZERO_CHECK(std::isfinite(lora_alpha) && lora_alpha >= 0, "[lora] alpha must be >= 0 (0: alpha = rank), got ",
+               lora_alpha);
+    ZERO_CHECK(lora_dropout >= 0 && lora_dropout < 1, "[lora] dropout must be in [0, 1), got ", lora_dropout);
+    ZERO_CHECK(!lora_targets.empty(), "[lora] targets is empty: name the Linear layers to adapt (glob patterns)");
+    ZERO_CHECK(freeze.empty(), "[model] freeze = ", pattern_list(freeze),
+               " with [lora] rank = ", lora_rank, ": LoRA freezes the whole UNet and trains only the adapters; "
+               "narrow [lora] targets instead");
+    ZERO_CHECK(lora_dropout == 0 || !activation_checkpointing,
+               "[lora] dropout = ", lora_dropout, " does not work with activation_checkpointing (the recomputed "
+               "forward would draw another dropout mask); set one of them off");
+    ZERO_CHECK(merge_lora || (export_full_checkpoint.empty() && !export_single_file),
+               "[lora] rank = ", lora_rank, " exports the adapters only: export_full_checkpoint and export_single_file "
+               "need merge_lora = true (the UNet with the adapters merged in)");
+  } else {
+    ZERO_CHECK(!merge_lora, "merge_lora needs [lora] rank > 0 (there are no adapters to merge)");
+    ZERO_CHECK(lora_init_from.empty(), "[lora] init_from needs [lora] rank > 0");
+  }
   ZERO_CHECK(synthetic || !dataset.empty(), "data: set dataset to a cached dataset folder, or synthetic = true");
   ZERO_CHECK(synthetic_samples >= 1 && synthetic_samples <= kMaxSyntheticSamples, "synthetic_samples ([data]) must be in "
              "[1, ", kMaxSyntheticSamples, "] (the sampler holds every sample's index), got ", synthetic_samples);
@@ -439,6 +475,7 @@ std::string TrainConfig::to_toml() const {
   // each goes at the end of its table.
   auto close_table = [&] {
     if (table == "model" && !freeze.empty()) out << "freeze = " << pattern_list(freeze) << "\n";
+    if (table == "lora") out << "targets = " << pattern_list(lora_targets) << "\n";
     if (table == "optimizer" && !no_weight_decay.empty())
       out << "no_weight_decay = " << pattern_list(no_weight_decay) << "\n";
   };
@@ -512,7 +549,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
   for (std::size_t i = 0; i < default_options.size(); ++i) {
     const Option& o = default_options[i];
     const bool is_bool = std::holds_alternative<bool*>(o.field);
-    handles.push_back(app.add_option(std::string("--") + o.key, overrides[i],
+    handles.push_back(app.add_option(o.command_line(), overrides[i],
                                      std::string(o.help) + " [" + o.table + "] (default: " + show(o.field) + ")")
                           ->type_name(std::holds_alternative<std::string*>(o.field) ? "TEXT"
                                       : is_bool                                      ? "[BOOL]"
@@ -527,6 +564,12 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
       app.add_option("--freeze", freeze_patterns,
                      "glob pattern of parameters to freeze (diffusers names; repeat for several); replaces [model] "
                      "freeze; --freeze \"\" freezes none [model] (default: [])")
+          ->type_name("PATTERN");
+  std::vector<std::string> lora_target_patterns;
+  CLI::Option* lora_targets_option =
+      app.add_option("--lora_target", lora_target_patterns,
+                     "glob pattern of Linear layers to adapt (repeat for several); replaces [lora] targets [lora] "
+                     "(default: " + pattern_list(defaults.lora_targets) + ")")
           ->type_name("PATTERN");
   try {
     app.parse(argc, argv);
@@ -557,6 +600,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
     for (const std::string& p : freeze_patterns)
       if (!p.empty()) config.freeze.push_back(p);
   }
+  if (lora_targets_option->count() > 0) config.lora_targets = lora_target_patterns;
   config.validate();
   return true;
 }

@@ -21,6 +21,15 @@ struct TrainConfig {
   /// engine holds only their model-dtype values (no gradient, master weights,
   /// optimizer state or EMA). `--freeze PATTERN` (repeatable) replaces the list.
   std::vector<std::string> freeze;
+  // [lora]: adapters on the frozen UNet instead of training it (unet.hpp LoraOptions)
+  std::int64_t lora_rank = 0;          // 0: no LoRA, the UNet itself is trained
+  double lora_alpha = 0;               // scale = alpha / rank; 0: alpha = rank
+  double lora_dropout = 0;
+  /// Glob patterns over Linear module names; default: SDXL's attention
+  /// projections and feed-forward layers (what diffusers' and kohya's SDXL
+  /// LoRA scripts adapt).
+  std::vector<std::string> lora_targets = {"*.to_q", "*.to_k", "*.to_v", "*.to_out.0", "*.ff.net.0.proj", "*.ff.net.2"};
+  std::string lora_init_from;          // a LoRA file (PEFT/diffusers or kohya naming) to start from
   // [data]
   std::string dataset;                 // cached dataset folder (docs/dataset.md); empty with synthetic
   bool synthetic = false;
@@ -91,6 +100,7 @@ struct TrainConfig {
   std::string export_full_checkpoint_unet = "auto";  // auto (EMA when ema_decay > 0), ema, trained
   bool save_final = true;              // checkpoint after the last step
   bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
+  bool merge_lora = false;             // with LoRA: also export the UNet with the adapters merged in
   // [device]
   std::string device = "cpu";          // cpu, cuda
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape

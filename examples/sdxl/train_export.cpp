@@ -138,7 +138,11 @@ void save_unet_files(const TrainConfig& c, const UNet2DConditionModelImpl& model
 
 void check_export_options(const TrainConfig& c, const UNet2DConditionModelImpl& model, bool leader) {
   if (!c.export_unet || c.export_full_checkpoint.empty()) return;
-  const FullCheckpointBase base = check_full_checkpoint_base(c.export_full_checkpoint, model);
+  // The exported UNet's names and shapes: those of the model without any LoRA adapters.
+  const UNet2DConditionModel plain(
+      model.config(), UNetBuildOptions{.tensor_options = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta),
+                                       .initialize = false});
+  const FullCheckpointBase base = check_full_checkpoint_base(c.export_full_checkpoint, *plain);
   if (leader)
     std::printf("export_full_checkpoint: base '%s' checked: %zu tensors, %llu bytes, its %zu UNet tensors match the "
                 "trained UNet; %s will hold the %s UNet in %s and every other tensor of the base, byte for byte\n",

@@ -19,6 +19,7 @@
 #include "geglu.hpp"
 #include "group_norm_nhwc.hpp"
 #include "zero/core/error.hpp"
+#include "zero/core/name_patterns.hpp"
 
 namespace sdxl {
 
@@ -70,10 +71,37 @@ class Linear : public torch::nn::Module {
     weight_ = register_parameter("weight", f.uniform({out, in}, in));
     if (bias) bias_ = register_parameter("bias", f.uniform({out}, in));
   }
-  Tensor forward(const Tensor& x) const { return torch::linear(x, weight_, bias_); }
+  Tensor forward(const Tensor& x) const {
+    Tensor y = torch::linear(x, weight_, bias_);
+    if (!lora_a_.defined()) return y;
+    // PEFT's order of operations: base + B(A(dropout(x))) * scale.
+    const Tensor in = lora_dropout_ > 0 && torch::GradMode::is_enabled() ? torch::dropout(x, lora_dropout_, true) : x;
+    return y + torch::linear(torch::linear(in, lora_a_), lora_b_) * lora_scale_;
+  }
+
+  /// Registers "lora_A.weight" [rank, in] (uniform +-1/sqrt(in) from
+  /// `generator`, as PEFT's default) and "lora_B.weight" [out, rank] (zero),
+  /// with the dtype and device of the layer's weight.
+  void add_lora(std::int64_t rank, double scale, double dropout, torch::Generator& generator) {
+    ZERO_CHECK(!lora_a_.defined(), "LoRA: the layer already has an adapter");
+    const std::int64_t out = weight_.size(0), in = weight_.size(1);
+    Tensor a = torch::empty({rank, in}, torch::kFloat32);
+    {
+      torch::NoGradGuard no_grad;
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      a.uniform_(-bound, bound, generator);
+    }
+    const auto options = weight_.options().requires_grad(false);
+    lora_a_ = register_module("lora_A", make_container())->register_parameter("weight", a.to(options));
+    lora_b_ = register_module("lora_B", make_container())->register_parameter("weight", torch::zeros({out, rank}, options));
+    lora_scale_ = scale;
+    lora_dropout_ = dropout;
+  }
 
  private:
   Tensor weight_, bias_;
+  Tensor lora_a_, lora_b_;  // undefined without an adapter
+  double lora_scale_ = 0, lora_dropout_ = 0;
 };
 
 class Conv2d : public torch::nn::Module {
@@ -768,6 +796,44 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
   return run(false, {sample}, [this](const variable_list& in) {
     return variable_list{conv_out_->forward(conv_norm_out_->forward_silu(in[0])).contiguous()};
   })[0];
+}
+
+std::vector<std::string> UNet2DConditionModelImpl::add_lora(const LoraOptions& options, torch::Generator generator) {
+  ZERO_CHECK(options.rank >= 1, "LoRA: rank must be >= 1, got ", options.rank);
+  ZERO_CHECK(std::isfinite(options.alpha) && options.alpha > 0, "LoRA: alpha must be > 0, got ", options.alpha);
+  ZERO_CHECK(options.dropout >= 0 && options.dropout < 1, "LoRA: dropout must be in [0, 1), got ", options.dropout);
+  ZERO_CHECK(!options.targets.empty(), "LoRA: targets is empty (glob patterns of Linear module names)");
+  ZERO_CHECK(lora_modules_.empty(), "LoRA: the model already has adapters");
+  std::vector<std::pair<std::string, std::shared_ptr<Linear>>> linears;
+  std::vector<std::string> others;  // parameterised leaf layers that are not Linear
+  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    if (auto linear = std::dynamic_pointer_cast<Linear>(item.value())) {
+      linears.emplace_back(item.key(), linear);
+    } else if (std::dynamic_pointer_cast<Conv2d>(item.value())) {
+      others.push_back(item.key());
+    }
+  }
+  std::vector<bool> chosen(linears.size(), false);
+  for (const std::string& pattern : options.targets) {
+    for (const std::string& conv : others)
+      ZERO_CHECK(!zero::name_matches(pattern, conv), "LoRA: target '", pattern, "' matches the convolution '", conv,
+                 "': LoRA on convolutions is not supported (targets must name Linear layers, e.g. \"*.to_q\")");
+    bool used = false;
+    for (std::size_t i = 0; i < linears.size(); ++i) {
+      if (!zero::name_matches(pattern, linears[i].first)) continue;
+      chosen[i] = true;
+      used = true;
+    }
+    ZERO_CHECK(used, "LoRA: target '", pattern, "' matches no Linear layer of the UNet (glob patterns on diffusers "
+               "module names such as \"down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q\"; '*' matches dots)");
+  }
+  const double scale = options.alpha / static_cast<double>(options.rank);
+  for (std::size_t i = 0; i < linears.size(); ++i) {
+    if (!chosen[i]) continue;
+    linears[i].second->add_lora(options.rank, scale, options.dropout, generator);
+    lora_modules_.push_back(linears[i].first);
+  }
+  return lora_modules_;
 }
 
 std::vector<ParameterUnit> UNet2DConditionModelImpl::units() const {

@@ -41,6 +41,22 @@ struct UNetBuildOptions {
   bool activation_checkpointing = false;
 };
 
+/// LoRA adapters on the UNet's Linear layers, as PEFT applies them:
+///   y = W x + b + (alpha / rank) * B (A dropout(x)),
+/// A [rank, in] drawn like a Linear weight (uniform +-1/sqrt(in)), B [out,
+/// rank] zero, so an adapted model starts out equal to its base. The
+/// parameters are "<module>.lora_A.weight" and "<module>.lora_B.weight"
+/// (PEFT's names), in the same ZeRO unit as the layer they adapt.
+struct LoraOptions {
+  std::int64_t rank = 0;  // 0: no adapters
+  double alpha = 0;       // the scale is alpha / rank
+  /// Applied to the adapter's input while gradients are computed (training),
+  /// never in inference; it draws from LibTorch's default generator.
+  double dropout = 0;
+  /// Glob patterns over module names ("*.to_q"; '*' matches dots too).
+  std::vector<std::string> targets;
+};
+
 /// A group of parameters that ZeRO stage 3 gathers and frees together.
 struct ParameterUnit {
   std::string name;  // "embed", "down_blocks.0", ..., "mid_block", "up_blocks.0", ..., "head"
@@ -95,6 +111,16 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   /// (conv_norm_out, conv_out). Every parameter is in exactly one unit.
   std::vector<ParameterUnit> units() const;
 
+  /// Adds LoRA adapters to every Linear layer whose module name matches one
+  /// of options.targets, A drawn from `generator`; returns the adapted module
+  /// names in module order. zero::InvalidArgument for a pattern that matches
+  /// no Linear layer, or one that matches a convolution (LoRA on convolutions
+  /// is not supported).
+  /// Call before units(): the adapters are parameters of their layer's unit.
+  std::vector<std::string> add_lora(const LoraOptions& options, torch::Generator generator);
+  /// The adapted module names (empty without adapters).
+  const std::vector<std::string>& lora_modules() const { return lora_modules_; }
+
   const UNetConfig& config() const { return config_; }
 
  private:
@@ -105,6 +131,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   bool activation_checkpointing_ = false;
   bool channels_last_ = false;
   UnitRunner unit_runner_;
+  std::vector<std::string> lora_modules_;
 
   std::shared_ptr<Conv2d> conv_in_;
   std::shared_ptr<TimestepEmbedding> time_embedding_;

@@ -11,6 +11,8 @@
 //   --dtype   compute dtype of weights and activations: fp32 (default), bf16, fp16
 //   --tf32    on CUDA, let fp32 matmuls and convolutions use TF32 tensor cores;
 //             without it fp32 is strict (cuDNN's TF32 default is turned off)
+//   --lora    a LoRA file (diffusers/PEFT or kohya naming, lora_io.hpp) applied
+//             on top of the model as adapters, unmerged
 
 #include <CLI/CLI.hpp>
 
@@ -20,6 +22,7 @@
 
 #include "torch_errors.hpp"
 #include "tf32.hpp"
+#include "lora_io.hpp"
 #include "unet_io.hpp"
 #include "zero/core/dtype.hpp"
 #include "zero/core/error.hpp"
@@ -44,7 +47,7 @@ const torch::Tensor& require(const std::map<std::string, torch::Tensor>& tensors
 
 int run(int argc, char** argv) {
   CLI::App app{"One forward pass of the SDXL UNet2DConditionModel (diffusers-compatible) from safetensors"};
-  std::string model_path, inputs_path, output_path, device_name = "cpu", dtype_name = "fp32";
+  std::string model_path, inputs_path, output_path, device_name = "cpu", dtype_name = "fp32", lora_path;
   app.add_option("--model", model_path, "safetensors file with config metadata, or a diffusers folder")->required();
   app.add_option("--inputs", inputs_path, "safetensors with sample, timestep, encoder_hidden_states, "
                                           "text_embeds, time_ids")->required();
@@ -53,6 +56,7 @@ int run(int argc, char** argv) {
   app.add_option("--dtype", dtype_name, "fp32, bf16 or fp16")->capture_default_str();
   bool tf32 = false;
   app.add_flag("--tf32", tf32, "CUDA: let fp32 matmuls and convolutions use TF32 tensor cores (default: strict fp32)");
+  app.add_option("--lora", lora_path, "LoRA file (diffusers/PEFT or kohya naming) to apply as adapters");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -70,6 +74,15 @@ int run(int argc, char** argv) {
   sdxl::UNet2DConditionModel model =
       sdxl::load_unet(model_path, torch::TensorOptions().dtype(dtype).device(device));
   model->eval();
+  if (!lora_path.empty()) {
+    const sdxl::LoraWeights lora = sdxl::read_lora_file(lora_path, *model);
+    // Exactly the file's layers (their names are the patterns); A is then overwritten.
+    torch::Generator unused = at::detail::createCPUGenerator(0);
+    model->add_lora({.rank = lora.rank, .alpha = lora.alpha, .dropout = 0, .targets = lora.modules}, unused);
+    sdxl::load_lora_into(*model, lora, lora.alpha, "--lora '" + lora_path + "'");
+    std::cout << "unet_forward: LoRA rank " << lora.rank << ", alpha " << lora.alpha << " on " << lora.modules.size()
+              << " layers from " << lora_path << "\n";
+  }
 
   const auto inputs = sdxl::read_tensors(inputs_path);
   auto activation = [&](const char* name) { return require(inputs, name, inputs_path).to(device, dtype); };

@@ -307,13 +307,15 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
     return outputs;
   }
   gather(u, Pass::forward, /*recomputed=*/false);
-  // The identity goes in at every stage (releasing nothing below stage 3):
-  // it changes the order in which autograd sums the inputs' gradients, and
-  // every stage must sum in the same order to give the same bits.
+  // A unit with frozen parameters is released once its inputs' gradients are
+  // out (and, when it trains some, their gradients are in): the identity on
+  // its inputs says when. It goes in at every stage (releasing nothing below
+  // stage 3): it changes the order in which autograd sums the inputs'
+  // gradients, and every stage must sum in the same order to give the same bits.
+  const bool guard_inputs = units_[u].first_frozen.has_value() && torch::GradMode::is_enabled();
+  units_[u].inputs_pending = guard_inputs && inputs_need_grad;
   const variable_list unit_inputs =
-      units_[u].trainable == 0 && torch::GradMode::is_enabled()
-          ? ReleaseAfterBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(inputs))
-          : inputs;
+      guard_inputs ? ReleaseAfterBackward::apply(this, static_cast<std::int64_t>(u), at::TensorList(inputs)) : inputs;
   if (!engine_->plan().gathers_units) return body(unit_inputs);
   variable_list outputs = body(unit_inputs);
   if (torch::GradMode::is_enabled())
@@ -362,15 +364,18 @@ void ShardedModel::on_gradient(std::size_t i) {
   engine_->grad_ready(i);
   const std::size_t u = engine_->unit_of(i);
   Unit& unit = units_[u];
-  if (++unit.ready == unit.trainable && unit.backward_gathered) {
+  ++unit.ready;
+  if (unit.releasable() && unit.backward_gathered) {
     unit.backward_gathered = false;
     release(u);
   }
 }
 
 void ShardedModel::release_after_backward(std::size_t u) {
-  if (!units_[u].backward_gathered) return;
-  units_[u].backward_gathered = false;
+  Unit& unit = units_[u];
+  unit.inputs_pending = false;
+  if (!unit.releasable() || !unit.backward_gathered) return;
+  unit.backward_gathered = false;
   release(u);
 }
 
@@ -381,6 +386,7 @@ void ShardedModel::finish_micro_step() {
       release(u);
     }
     units_[u].ready = 0;
+    units_[u].inputs_pending = false;
   }
   recompute_bodies_.clear();
   engine_->finish_micro_step();

@@ -119,6 +119,11 @@ class ShardedModel {
     std::optional<std::size_t> first_trainable, first_frozen;
     std::size_t ready = 0;         // parameters whose gradient arrived this micro-step
     bool backward_gathered = false;
+    // A unit with frozen parameters still needs them after its last trained
+    // gradient is in (the gradient of its inputs runs through the frozen
+    // layers), so it waits for its inputs' gradients too this micro-step.
+    bool inputs_pending = false;
+    bool releasable() const { return ready == trainable && !inputs_pending; }
   };
   void bind_unit(std::size_t unit);
 

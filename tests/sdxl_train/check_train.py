@@ -407,7 +407,7 @@ if code == 0:
           "frozen: resuming without the freeze is refused, naming [model] freeze")
 # A checkpoint saved without freeze (section 4) does not resume with one.
 code, output, _ = frozen_run("unfrozen-resume-frozen", CONFIG, "--stage", "2", "--freeze", "conv_in.*", "--resume",
-                             os.path.join(WORK, "resumed", "checkpoints", "step-00000015"))
+                             os.path.join(WORK, "resumed", "checkpoints", "step-00000015"), steps=STEPS)
 check(code != 0 and "that froze 0 parameters" in output and "'conv_in.bias' was trained there and is frozen here" in output,
       "frozen: a checkpoint without frozen parameters does not resume with some, naming the parameter")
 

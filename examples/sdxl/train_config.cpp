@@ -8,11 +8,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <variant>
 
@@ -39,10 +41,19 @@ constexpr std::int64_t kMaxLatentSize = 1024;                // 8192-pixel image
 constexpr std::int64_t kMaxTextLength = 4096;                // tokens; SDXL's encoders give 77
 constexpr std::int64_t kMaxBatchSize = 65536;                // per rank and micro-step
 
-// The values of a TOML text, over-counted (each '=', ',' and '[' outside
-// strings and comments is one): the bound needs no parse.
-std::size_t count_toml_values(std::string_view text) {
+// What check_config_bounds learns from one pass over a TOML text, before any parse.
+struct TomlScan {
+  // Each '=', ',' and '[' outside strings and comments is one: over-counted.
   std::size_t values = 0;
+  // The first byte >= 0x80 outside strings and comments, if any. TOML allows
+  // none there (bare keys and whitespace are ASCII), and toml++ 3.3's
+  // whitespace test is undefined behaviour on some such code points
+  // (U+00A1..U+0499 reach TOML_UNREACHABLE), so they are refused before it.
+  std::optional<std::size_t> non_ascii_at;
+};
+
+TomlScan scan_toml(std::string_view text) {
+  TomlScan scan;
   for (std::size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (c == '#') {
@@ -58,18 +69,28 @@ std::size_t count_toml_values(std::string_view text) {
       }
       i += close.size() - 1;
     } else if (c == '=' || c == ',' || c == '[') {
-      ++values;
+      ++scan.values;
+    } else if (static_cast<unsigned char>(c) >= 0x80 && !scan.non_ascii_at) {
+      scan.non_ascii_at = i;
     }
   }
-  return values;
+  return scan;
 }
 
 void check_config_bounds(std::string_view text, const std::string& origin) {
   ZERO_CHECK(text.size() <= kMaxConfigBytes, origin, ": ", text.size(), " bytes, over the limit of ", kMaxConfigBytes,
              " for a configuration (kMaxConfigBytes; a training configuration is a few KB): is it the right file?");
-  const std::size_t values = count_toml_values(text);
-  ZERO_CHECK(values <= kMaxConfigValues, origin, ": about ", values, " values (keys and list entries), over the limit "
+  const TomlScan scan = scan_toml(text);
+  ZERO_CHECK(scan.values <= kMaxConfigValues, origin, ": about ", scan.values, " values (keys and list entries), over the limit "
              "of ", kMaxConfigValues, " for a configuration (kMaxConfigValues)");
+  if (scan.non_ascii_at) {
+    const std::string_view before = text.substr(0, *scan.non_ascii_at);
+    const auto line = std::count(before.begin(), before.end(), '\n') + 1;
+    const auto column = *scan.non_ascii_at - (before.rfind('\n') == std::string_view::npos ? 0 : before.rfind('\n') + 1) + 1;
+    ZERO_THROW(zero::InvalidArgument, origin, ":", line, ":", column,
+               ": non-ASCII character outside a string or comment (TOML keys and whitespace are ASCII; "
+               "quote the value)");
+  }
 }
 
 // The text of a configuration file, its size checked before it is read.

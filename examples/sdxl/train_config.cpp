@@ -8,14 +8,13 @@
 
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
-#include <optional>
 #include <sstream>
+#include <utility>
 #include <variant>
 
 #include "zero/core/error.hpp"
@@ -41,19 +40,10 @@ constexpr std::int64_t kMaxLatentSize = 1024;                // 8192-pixel image
 constexpr std::int64_t kMaxTextLength = 4096;                // tokens; SDXL's encoders give 77
 constexpr std::int64_t kMaxBatchSize = 65536;                // per rank and micro-step
 
-// What check_config_bounds learns from one pass over a TOML text, before any parse.
-struct TomlScan {
-  // Each '=', ',' and '[' outside strings and comments is one: over-counted.
+// The values of a TOML text, over-counted (each '=', ',' and '[' outside
+// strings and comments is one): the bound needs no parse.
+std::size_t count_toml_values(std::string_view text) {
   std::size_t values = 0;
-  // The first byte >= 0x80 outside strings and comments, if any. TOML allows
-  // none there (bare keys and whitespace are ASCII), and toml++ 3.3's
-  // whitespace test is undefined behaviour on some such code points
-  // (U+00A1..U+0499 reach TOML_UNREACHABLE), so they are refused before it.
-  std::optional<std::size_t> non_ascii_at;
-};
-
-TomlScan scan_toml(std::string_view text) {
-  TomlScan scan;
   for (std::size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (c == '#') {
@@ -69,27 +59,112 @@ TomlScan scan_toml(std::string_view text) {
       }
       i += close.size() - 1;
     } else if (c == '=' || c == ',' || c == '[') {
-      ++scan.values;
-    } else if (static_cast<unsigned char>(c) >= 0x80 && !scan.non_ascii_at) {
-      scan.non_ascii_at = i;
+      ++values;
     }
   }
-  return scan;
+  return values;
 }
 
 void check_config_bounds(std::string_view text, const std::string& origin) {
   ZERO_CHECK(text.size() <= kMaxConfigBytes, origin, ": ", text.size(), " bytes, over the limit of ", kMaxConfigBytes,
              " for a configuration (kMaxConfigBytes; a training configuration is a few KB): is it the right file?");
-  const TomlScan scan = scan_toml(text);
-  ZERO_CHECK(scan.values <= kMaxConfigValues, origin, ": about ", scan.values, " values (keys and list entries), over the limit "
+  const std::size_t values = count_toml_values(text);
+  ZERO_CHECK(values <= kMaxConfigValues, origin, ": about ", values, " values (keys and list entries), over the limit "
              "of ", kMaxConfigValues, " for a configuration (kMaxConfigValues)");
-  if (scan.non_ascii_at) {
-    const std::string_view before = text.substr(0, *scan.non_ascii_at);
-    const auto line = std::count(before.begin(), before.end(), '\n') + 1;
-    const auto column = *scan.non_ascii_at - (before.rfind('\n') == std::string_view::npos ? 0 : before.rfind('\n') + 1) + 1;
-    ZERO_THROW(zero::InvalidArgument, origin, ":", line, ":", column,
-               ": non-ASCII character outside a string or comment (TOML keys and whitespace are ASCII; "
-               "quote the value)");
+}
+
+// toml++ 3.3 (the Debian package) tests code points outside strings, and
+// after a line-ending backslash in a multi-line string, with a whitespace
+// table whose lookup is undefined behaviour (it reaches TOML_UNREACHABLE) for
+// three ranges of code points (upstream marzer/tomlplusplus issues 190 and
+// 295; found by tests/fuzz/fuzz_train_config). toml++ is therefore given a
+// text in which those code points are moved into private-use ranges, which the
+// table handles, and every string read from it is moved back. A configuration
+// that holds the private-use code points themselves is refused.
+struct ShieldedRange {
+  char32_t first, last, moved_to;
+};
+constexpr ShieldedRange kShieldedRanges[] = {
+    {0x00A1, 0x0499, 0xF0A1}, {0x2C5E, 0x3057, 0xE000}, {0xFB26, 0xFEFE, 0xE400}};
+
+// The code point of a well-formed 2- or 3-byte UTF-8 sequence at text[i] (and its length), else 0.
+std::pair<char32_t, std::size_t> decode_utf8(std::string_view text, std::size_t i) {
+  auto cont = [&](std::size_t k) { return k < text.size() && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80; };
+  const auto b0 = static_cast<unsigned char>(text[i]);
+  if ((b0 & 0xE0) == 0xC0 && cont(i + 1))
+    return {(char32_t(b0 & 0x1F) << 6) | (static_cast<unsigned char>(text[i + 1]) & 0x3F), 2};
+  if ((b0 & 0xF0) == 0xE0 && cont(i + 1) && cont(i + 2))
+    return {(char32_t(b0 & 0x0F) << 12) | (char32_t(static_cast<unsigned char>(text[i + 1]) & 0x3F) << 6) |
+                (static_cast<unsigned char>(text[i + 2]) & 0x3F),
+            3};
+  return {0, 1};
+}
+
+void append_utf8(std::string& out, char32_t cp) {
+  if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+  } else {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+  }
+  out += static_cast<char>(0x80 | (cp & 0x3F));
+}
+
+std::string shield_for_tomlpp(std::string_view text, const std::string& origin) {
+  std::string out;
+  out.reserve(text.size() + text.size() / 2);
+  std::size_t line = 1;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\n') ++line;
+    const auto [cp, length] = decode_utf8(text, i);
+    bool moved = false;
+    for (const ShieldedRange& r : kShieldedRanges) {
+      ZERO_CHECK(length == 1 || cp < r.moved_to || cp > r.moved_to + (r.last - r.first), origin, ":", line,
+                 ": private-use character (code point ", static_cast<std::uint32_t>(cp),
+                 ") is not accepted in a configuration");
+      if (length > 1 && cp >= r.first && cp <= r.last) {
+        append_utf8(out, cp - r.first + r.moved_to);
+        moved = true;
+      }
+    }
+    if (moved) {
+      i += length - 1;
+      continue;
+    }
+    out += text[i];
+  }
+  return out;
+}
+
+// The inverse of shield_for_tomlpp, for strings read from the parsed table.
+std::string unshield(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto [cp, length] = decode_utf8(text, i);
+    bool moved = false;
+    for (const ShieldedRange& r : kShieldedRanges)
+      if (length == 3 && cp >= r.moved_to && cp <= r.moved_to + (r.last - r.first)) {
+        append_utf8(out, cp - r.moved_to + r.first);
+        moved = true;
+      }
+    if (moved) {
+      i += length - 1;
+      continue;
+    }
+    out += text[i];
+  }
+  return out;
+}
+
+// toml::parse on the shielded text; a syntax error is an InvalidArgument naming origin:line:column.
+toml::table parse_toml(std::string_view text, const std::string& origin) {
+  const std::string shielded = shield_for_tomlpp(text, origin);
+  try {
+    return toml::parse(shielded, origin);
+  } catch (const toml::parse_error& e) {
+    ZERO_THROW(zero::InvalidArgument, origin, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
+               unshield(e.description()));
   }
 }
 
@@ -245,7 +320,7 @@ void set_from_toml(const Option& o, const toml::node& node, const std::string& o
         if constexpr (std::is_same_v<T, std::string>) {
           auto v = node.value<std::string>();
           ZERO_CHECK(node.is_string() && v, where, ": expected a string, got ", node.type());
-          *p = *v;
+          *p = unshield(*v);
         } else if constexpr (std::is_same_v<T, bool>) {
           ZERO_CHECK(node.is_boolean(), where, ": expected true or false, got ", node.type());
           *p = *node.value<bool>();
@@ -296,7 +371,7 @@ std::vector<std::string> string_list(const toml::node& node, const std::string& 
   for (const toml::node& item : *array) {
     auto text = item.value<std::string>();
     ZERO_CHECK(item.is_string() && text && !text->empty(), where, ": expected non-empty strings, got ", item.type());
-    out.push_back(*text);
+    out.push_back(unshield(*text));
   }
   return out;
 }
@@ -319,7 +394,7 @@ std::vector<TrainConfig::OptimizerGroup> optimizer_groups_of(const toml::node& n
       } else if (key == "name") {
         auto text = value.value<std::string>();
         ZERO_CHECK(value.is_string() && text && !text->empty(), where, " name: expected a non-empty string");
-        group.name = *text;
+        group.name = unshield(*text);
       } else if (key == "lr_scale" || key == "weight_decay") {
         ZERO_CHECK(value.is_number(), where, " ", key, ": expected a number, got ", value.type());
         const double x = *value.value<double>();
@@ -529,7 +604,7 @@ std::optional<std::vector<std::string>> saved_freeze(const std::string& config_t
   toml::table root;
   try {
     check_config_bounds(config_toml, "saved configuration");
-    root = toml::parse(config_toml, std::string_view("saved configuration"));
+    root = parse_toml(config_toml, "saved configuration");
   } catch (const toml::parse_error&) {
     return std::nullopt;
   } catch (const zero::InvalidArgument&) {
@@ -548,12 +623,7 @@ TrainConfig train_config_from_toml(const std::string& text, const std::string& o
   TrainConfig config;
   toml::table root;
   check_config_bounds(text, origin);
-  try {
-    root = toml::parse(text, origin);
-  } catch (const toml::parse_error& e) {
-    ZERO_THROW(zero::InvalidArgument, origin, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-               e.description());
-  }
+  root = parse_toml(text, origin);
   apply_toml(config, root, origin);
   config.validate();
   return config;
@@ -605,12 +675,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
     const std::string text = read_config_text(config_path);
     check_config_bounds(text, config_path);
     toml::table root;
-    try {
-      root = toml::parse(text, config_path);
-    } catch (const toml::parse_error& e) {
-      ZERO_THROW(zero::InvalidArgument, config_path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-                 e.description());
-    }
+    root = parse_toml(text, config_path);
     apply_toml(config, root, config_path);
   }
   auto options = options_of(config);

@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <sstream>
+#include <utility>
 #include <variant>
 
 #include "zero/core/error.hpp"
@@ -70,6 +71,101 @@ void check_config_bounds(std::string_view text, const std::string& origin) {
   const std::size_t values = count_toml_values(text);
   ZERO_CHECK(values <= kMaxConfigValues, origin, ": about ", values, " values (keys and list entries), over the limit "
              "of ", kMaxConfigValues, " for a configuration (kMaxConfigValues)");
+}
+
+// toml++ 3.3 (the Debian package) tests code points outside strings, and
+// after a line-ending backslash in a multi-line string, with a whitespace
+// table whose lookup is undefined behaviour (it reaches TOML_UNREACHABLE) for
+// three ranges of code points (upstream marzer/tomlplusplus issues 190 and
+// 295; found by tests/fuzz/fuzz_train_config). toml++ is therefore given a
+// text in which those code points are moved into private-use ranges, which the
+// table handles, and every string read from it is moved back. A configuration
+// that holds the private-use code points themselves is refused.
+struct ShieldedRange {
+  char32_t first, last, moved_to;
+};
+constexpr ShieldedRange kShieldedRanges[] = {
+    {0x00A1, 0x0499, 0xF0A1}, {0x2C5E, 0x3057, 0xE000}, {0xFB26, 0xFEFE, 0xE400}};
+
+// The code point of a well-formed 2- or 3-byte UTF-8 sequence at text[i] (and its length), else 0.
+std::pair<char32_t, std::size_t> decode_utf8(std::string_view text, std::size_t i) {
+  auto cont = [&](std::size_t k) { return k < text.size() && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80; };
+  const auto b0 = static_cast<unsigned char>(text[i]);
+  if ((b0 & 0xE0) == 0xC0 && cont(i + 1))
+    return {(char32_t(b0 & 0x1F) << 6) | (static_cast<unsigned char>(text[i + 1]) & 0x3F), 2};
+  if ((b0 & 0xF0) == 0xE0 && cont(i + 1) && cont(i + 2))
+    return {(char32_t(b0 & 0x0F) << 12) | (char32_t(static_cast<unsigned char>(text[i + 1]) & 0x3F) << 6) |
+                (static_cast<unsigned char>(text[i + 2]) & 0x3F),
+            3};
+  return {0, 1};
+}
+
+void append_utf8(std::string& out, char32_t cp) {
+  if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+  } else {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+  }
+  out += static_cast<char>(0x80 | (cp & 0x3F));
+}
+
+std::string shield_for_tomlpp(std::string_view text, const std::string& origin) {
+  std::string out;
+  out.reserve(text.size() + text.size() / 2);
+  std::size_t line = 1;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\n') ++line;
+    const auto [cp, length] = decode_utf8(text, i);
+    bool moved = false;
+    for (const ShieldedRange& r : kShieldedRanges) {
+      ZERO_CHECK(length == 1 || cp < r.moved_to || cp > r.moved_to + (r.last - r.first), origin, ":", line,
+                 ": private-use character (code point ", static_cast<std::uint32_t>(cp),
+                 ") is not accepted in a configuration");
+      if (length > 1 && cp >= r.first && cp <= r.last) {
+        append_utf8(out, cp - r.first + r.moved_to);
+        moved = true;
+      }
+    }
+    if (moved) {
+      i += length - 1;
+      continue;
+    }
+    out += text[i];
+  }
+  return out;
+}
+
+// The inverse of shield_for_tomlpp, for strings read from the parsed table.
+std::string unshield(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto [cp, length] = decode_utf8(text, i);
+    bool moved = false;
+    for (const ShieldedRange& r : kShieldedRanges)
+      if (length == 3 && cp >= r.moved_to && cp <= r.moved_to + (r.last - r.first)) {
+        append_utf8(out, cp - r.moved_to + r.first);
+        moved = true;
+      }
+    if (moved) {
+      i += length - 1;
+      continue;
+    }
+    out += text[i];
+  }
+  return out;
+}
+
+// toml::parse on the shielded text; a syntax error is an InvalidArgument naming origin:line:column.
+toml::table parse_toml(std::string_view text, const std::string& origin) {
+  const std::string shielded = shield_for_tomlpp(text, origin);
+  try {
+    return toml::parse(shielded, origin);
+  } catch (const toml::parse_error& e) {
+    ZERO_THROW(zero::InvalidArgument, origin, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
+               unshield(e.description()));
+  }
 }
 
 // The text of a configuration file, its size checked before it is read.
@@ -224,7 +320,7 @@ void set_from_toml(const Option& o, const toml::node& node, const std::string& o
         if constexpr (std::is_same_v<T, std::string>) {
           auto v = node.value<std::string>();
           ZERO_CHECK(node.is_string() && v, where, ": expected a string, got ", node.type());
-          *p = *v;
+          *p = unshield(*v);
         } else if constexpr (std::is_same_v<T, bool>) {
           ZERO_CHECK(node.is_boolean(), where, ": expected true or false, got ", node.type());
           *p = *node.value<bool>();
@@ -275,7 +371,7 @@ std::vector<std::string> string_list(const toml::node& node, const std::string& 
   for (const toml::node& item : *array) {
     auto text = item.value<std::string>();
     ZERO_CHECK(item.is_string() && text && !text->empty(), where, ": expected non-empty strings, got ", item.type());
-    out.push_back(*text);
+    out.push_back(unshield(*text));
   }
   return out;
 }
@@ -298,7 +394,7 @@ std::vector<TrainConfig::OptimizerGroup> optimizer_groups_of(const toml::node& n
       } else if (key == "name") {
         auto text = value.value<std::string>();
         ZERO_CHECK(value.is_string() && text && !text->empty(), where, " name: expected a non-empty string");
-        group.name = *text;
+        group.name = unshield(*text);
       } else if (key == "lr_scale" || key == "weight_decay") {
         ZERO_CHECK(value.is_number(), where, " ", key, ": expected a number, got ", value.type());
         const double x = *value.value<double>();
@@ -508,7 +604,7 @@ std::optional<std::vector<std::string>> saved_freeze(const std::string& config_t
   toml::table root;
   try {
     check_config_bounds(config_toml, "saved configuration");
-    root = toml::parse(config_toml, std::string_view("saved configuration"));
+    root = parse_toml(config_toml, "saved configuration");
   } catch (const toml::parse_error&) {
     return std::nullopt;
   } catch (const zero::InvalidArgument&) {
@@ -527,12 +623,7 @@ TrainConfig train_config_from_toml(const std::string& text, const std::string& o
   TrainConfig config;
   toml::table root;
   check_config_bounds(text, origin);
-  try {
-    root = toml::parse(text, origin);
-  } catch (const toml::parse_error& e) {
-    ZERO_THROW(zero::InvalidArgument, origin, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-               e.description());
-  }
+  root = parse_toml(text, origin);
   apply_toml(config, root, origin);
   config.validate();
   return config;
@@ -584,12 +675,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
     const std::string text = read_config_text(config_path);
     check_config_bounds(text, config_path);
     toml::table root;
-    try {
-      root = toml::parse(text, config_path);
-    } catch (const toml::parse_error& e) {
-      ZERO_THROW(zero::InvalidArgument, config_path, ":", e.source().begin.line, ":", e.source().begin.column, ": ",
-                 e.description());
-    }
+    root = parse_toml(text, config_path);
     apply_toml(config, root, config_path);
   }
   auto options = options_of(config);

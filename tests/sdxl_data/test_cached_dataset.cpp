@@ -304,6 +304,15 @@ TEST_CASE("cached dataset: every corruption is an IoError naming the file") {
     std::ofstream(d / kIndexFileName, std::ios::binary) << index_bytes.substr(0, index_bytes.size() / 2);
     expect_io_error(d, "index.json", {"not valid JSON"});
   }
+  SUBCASE("a number past double's range (found by fuzz_dataset_index)") {
+    // nlohmann reports it as out_of_range, not parse_error: it escaped as a non-IoError.
+    std::string text = index_bytes;
+    const std::string channels = "\"latent_channels\": 4";
+    REQUIRE(text.find(channels) != std::string::npos);
+    text.replace(text.find(channels), channels.size(), "\"latent_channels\": 1e400");
+    std::ofstream(d / kIndexFileName, std::ios::binary) << text;
+    expect_io_error(d, "index.json", {"not valid JSON", "1e400"});
+  }
   SUBCASE("wrong types and unknown format or version") {
     for (const auto& [pointer, value] : std::vector<std::pair<std::string, Json>>{
              {"/format", "something-else"},

@@ -236,24 +236,17 @@ std::vector<SampleRecord> read_sample_records(const Json& index, const std::vect
 
 }  // namespace
 
-void CachedDataset::load_index() {
-  const std::filesystem::path path = directory_ / kIndexFileName;
-  std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error))
-    SDXL_BAD_FILE(path, "missing (a dataset directory holds index.json, written last by the "
-                        "writer; its absence means the dataset is incomplete)");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) SDXL_BAD_FILE(path, "cannot be read");
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-
+CachedIndex parse_cached_index(std::string_view text, const std::filesystem::path& path) {
   Json index;
   try {
     index = Json::parse(text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {
+    // Not only parse_error: a number past double's range (1e400) is an out_of_range.
     SDXL_BAD_FILE(path, "not valid JSON: ", e.what());
   }
   if (!index.is_object()) SDXL_BAD_FILE(path, "top level must be a JSON object");
 
+  CachedIndex parsed;
   const std::string format = string_field(member(index, "format", "index", path), "format", path);
   if (format != kCachedFormatName)
     SDXL_BAD_FILE(path, "format is '", format, "', expected '", kCachedFormatName, "'");
@@ -267,18 +260,36 @@ void CachedDataset::load_index() {
     SDXL_BAD_FILE(path, "latent_channels is ", channels, ", expected ", kLatentChannels, " (SDXL VAE)");
   if (auto it = index.find("vae_scaling_factor"); it != index.end()) {
     if (!it->is_number()) SDXL_BAD_FILE(path, "field 'vae_scaling_factor' must be a number");
-    vae_scaling_factor_ = it->get<double>();
+    parsed.vae_scaling_factor = it->get<double>();
   }
 
   const Json& text_dims = member(index, "text", "index", path);
-  text_dims_.sequence_length =
+  parsed.text_dims.sequence_length =
       integer(member(text_dims, "sequence_length", "text", path), "text.sequence_length", path, 1);
-  text_dims_.width = integer(member(text_dims, "width", "text", path), "text.width", path, 1);
-  text_dims_.pooled_width =
+  parsed.text_dims.width = integer(member(text_dims, "width", "text", path), "text.width", path, 1);
+  parsed.text_dims.pooled_width =
       integer(member(text_dims, "pooled_width", "text", path), "text.pooled_width", path, 1);
 
-  shards_ = read_shard_records(index, path);
-  records_ = read_sample_records(index, shards_, path);
+  parsed.shards = read_shard_records(index, path);
+  parsed.records = read_sample_records(index, parsed.shards, path);
+  return parsed;
+}
+
+void CachedDataset::load_index() {
+  const std::filesystem::path path = directory_ / kIndexFileName;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error))
+    SDXL_BAD_FILE(path, "missing (a dataset directory holds index.json, written last by the "
+                        "writer; its absence means the dataset is incomplete)");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) SDXL_BAD_FILE(path, "cannot be read");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+
+  CachedIndex parsed = parse_cached_index(text, path);
+  text_dims_ = parsed.text_dims;
+  vae_scaling_factor_ = parsed.vae_scaling_factor;
+  shards_ = std::move(parsed.shards);
+  records_ = std::move(parsed.records);
 }
 
 void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members) {

@@ -17,6 +17,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/dataset.hpp"
@@ -56,6 +57,19 @@ struct ShardRecord {
   std::uint64_t size = 0;  // bytes
   std::string sha256;      // optional; recorded for external checks, not verified on open
 };
+
+/// index.json as parsed and checked on its own, before any shard is opened.
+struct CachedIndex {
+  TextDims text_dims;
+  double vae_scaling_factor = kSdxlVaeScalingFactor;
+  std::vector<ShardRecord> shards;
+  std::vector<SampleRecord> records;
+};
+
+/// Parses and validates the text of index.json (schema, shard names, sample
+/// records); `path` only names the file in messages. Throws zero::IoError.
+/// Separate from CachedDataset::open so that it can be fuzzed without files.
+CachedIndex parse_cached_index(std::string_view text, const std::filesystem::path& path);
 
 /// A cached dataset opened from a directory.
 ///

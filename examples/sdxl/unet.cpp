@@ -74,9 +74,15 @@ class Linear : public torch::nn::Module {
   Tensor forward(const Tensor& x) const {
     Tensor y = torch::linear(x, weight_, bias_);
     if (!lora_a_.defined()) return y;
-    // PEFT's order of operations: base + B(A(dropout(x))) * scale.
+    // base + scale * B(A(dropout(x))), PEFT's result, with B's product accumulated into the base output by
+    // one GEMM (beta = 1, alpha = scale): no separate scale and add passes over the output, which is the
+    // layer's largest tensor (8x the input for ff.net.0.proj), in the forward, its recomputation and the
+    // backward. In place is safe: linear does not keep its output for its backward.
     const Tensor in = lora_dropout_ > 0 && torch::GradMode::is_enabled() ? torch::dropout(x, lora_dropout_, true) : x;
-    return y + torch::linear(torch::linear(in, lora_a_), lora_b_) * lora_scale_;
+    const Tensor down = torch::linear(in, lora_a_);
+    Tensor flat = y.view({-1, y.size(-1)});  // linear's output is contiguous
+    flat.addmm_(down.reshape({-1, down.size(-1)}), lora_b_.t(), /*beta=*/1, /*alpha=*/lora_scale_);
+    return flat.view(y.sizes());
   }
 
   /// Registers "lora_A.weight" [rank, in] (uniform +-1/sqrt(in) from

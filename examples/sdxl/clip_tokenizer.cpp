@@ -132,17 +132,17 @@ utf8proc_int32_t next_code_point(std::string_view text, std::size_t& offset) {
   return cp;
 }
 
-void check_utf8(std::string_view text) {
+// The byte offset of the first invalid UTF-8 sequence in `text`, or npos.
+std::size_t first_invalid_utf8(std::string_view text) {
   std::size_t offset = 0;
   while (offset < text.size()) {
     utf8proc_int32_t cp = 0;
     const auto length = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + offset),
                                          static_cast<utf8proc_ssize_t>(text.size() - offset), &cp);
-    if (length <= 0)
-      ZERO_THROW(zero::InvalidArgument, "CLIP tokenizer: the prompt is not valid UTF-8 (at byte ", offset,
-                 "); expected UTF-8 text");
+    if (length <= 0) return offset;
     offset += static_cast<std::size_t>(length);
   }
+  return std::string_view::npos;
 }
 
 // Step 2. Lower-casing is per character with the full mapping, as Rust's
@@ -283,8 +283,70 @@ std::optional<ParsedSpecial> parse_special(const Json& json, const std::string& 
                ": expected a token string or an object with a string 'content'");
   }
   if (out.token.content.empty()) ZERO_THROW(zero::IoError, "tokenizer file ", where, ": the token is empty");
-  check_utf8(out.token.content);
   return out;
+}
+
+// vocab.json: {"token": id, ...}, ids distinct integers in [0, 2^31).
+std::unordered_map<std::string, int64_t> load_vocab(const fs::path& path) {
+  const Json vocab = parse_bounded_json(path, kMaxVocabBytes, kMaxVocabEntries + 1, 1,
+                                        "a JSON object mapping each BPE token to its integer id");
+  std::unordered_map<std::string, int64_t> out;
+  std::unordered_map<int64_t, std::string> owner_of_id;
+  for (const auto& [token, id] : vocab.items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path), ": the id of '", token,
+                 "' should be an integer in [0, 2^31); got ", id.dump());
+    const int64_t value = id.get<int64_t>();
+    if (auto [it, inserted] = owner_of_id.emplace(value, token); !inserted)
+      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path), ": id ", value, " is given to both '", it->second,
+                 "' and '", token, "'; expected one token per id");
+    out.emplace(token, value);
+  }
+  if (out.empty()) ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path), ": the vocabulary is empty");
+  return out;
+}
+
+// merges.txt: a "#version" line, then "first second" per line, by rank; both
+// tokens and their concatenation must be in the vocabulary (as tokenizers
+// requires). Keys of the result are the lines, "first second".
+std::unordered_map<std::string, std::size_t> load_merge_ranks(const fs::path& path, const fs::path& vocab_path,
+                                                              const std::unordered_map<std::string, int64_t>& vocab) {
+  const std::string merges = read_bounded_file(path, kMaxMergesBytes, "CLIP's BPE merges text file");
+  std::unordered_map<std::string, std::size_t> ranks;
+  std::istringstream lines(merges);
+  std::string line;
+  std::size_t line_number = 0;
+  std::size_t rank = 0;
+  while (std::getline(lines, line)) {
+    ++line_number;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line_number == 1) {
+      if (!line.starts_with("#version"))
+        ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path),
+                   ": line 1 should be the '#version: ...' header of a BPE merges file; got '", line.substr(0, 80),
+                   "'");
+      continue;
+    }
+    if (line.empty()) continue;
+    const auto space = line.find(' ');
+    if (space == std::string::npos || space == 0 || line.find(' ', space + 1) != std::string::npos ||
+        space + 1 == line.size())
+      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path), ": line ", line_number,
+                 " should be two tokens separated by one space; got '", line.substr(0, 80), "'");
+    const std::string first = line.substr(0, space);
+    const std::string second = line.substr(space + 1);
+    for (const std::string& token : {first, second, first + second}) {
+      if (!vocab.contains(token))
+        ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path), ": line ", line_number, ": '", token,
+                   "' is not in ", quoted(vocab_path), "; expected the merges of that vocabulary");
+    }
+    // A pair listed twice keeps its later rank, as transformers does.
+    ranks[line] = rank++;
+  }
+  if (line_number == 0)
+    ZERO_THROW(zero::IoError, "tokenizer file ", quoted(path),
+               " is empty; expected a '#version: ...' header and the BPE merges");
+  return ranks;
 }
 
 struct Piece {
@@ -334,60 +396,10 @@ ClipTokenizer ClipTokenizer::load(const fs::path& folder) {
   ClipTokenizer tokenizer;
   Impl& impl = *tokenizer.impl_;
 
-  // vocab.json: {"token": id, ...}
   const fs::path vocab_path = folder / "vocab.json";
-  const Json vocab = parse_bounded_json(vocab_path, kMaxVocabBytes, kMaxVocabEntries + 1, 1,
-                                        "a JSON object mapping each BPE token to its integer id");
-  std::unordered_map<int64_t, std::string> owner_of_id;
-  for (const auto& [token, id] : vocab.items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
-      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(vocab_path), ": the id of '", token,
-                 "' should be an integer in [0, 2^31); got ", id.dump());
-    const int64_t value = id.get<int64_t>();
-    if (auto [it, inserted] = owner_of_id.emplace(value, token); !inserted)
-      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(vocab_path), ": id ", value, " is given to both '",
-                 it->second, "' and '", token, "'; expected one token per id");
-    impl.vocab.emplace(token, value);
-  }
-  if (impl.vocab.empty()) ZERO_THROW(zero::IoError, "tokenizer file ", quoted(vocab_path), ": the vocabulary is empty");
+  impl.vocab = load_vocab(vocab_path);
   tokenizer.vocab_size_ = impl.vocab.size();
-
-  // merges.txt: a "#version" line, then "first second" per line, by rank.
-  const fs::path merges_path = folder / "merges.txt";
-  const std::string merges = read_bounded_file(merges_path, kMaxMergesBytes, "CLIP's BPE merges text file");
-  std::istringstream lines(merges);
-  std::string line;
-  std::size_t line_number = 0;
-  std::size_t rank = 0;
-  while (std::getline(lines, line)) {
-    ++line_number;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line_number == 1) {
-      if (!line.starts_with("#version"))
-        ZERO_THROW(zero::IoError, "tokenizer file ", quoted(merges_path),
-                   ": line 1 should be the '#version: ...' header of a BPE merges file; got '", line.substr(0, 80),
-                   "'");
-      continue;
-    }
-    if (line.empty()) continue;
-    const auto space = line.find(' ');
-    if (space == std::string::npos || space == 0 || line.find(' ', space + 1) != std::string::npos ||
-        space + 1 == line.size())
-      ZERO_THROW(zero::IoError, "tokenizer file ", quoted(merges_path), ": line ", line_number,
-                 " should be two tokens separated by one space; got '", line.substr(0, 80), "'");
-    const std::string first = line.substr(0, space);
-    const std::string second = line.substr(space + 1);
-    for (const std::string& token : {first, second, first + second}) {
-      if (!impl.vocab.contains(token))
-        ZERO_THROW(zero::IoError, "tokenizer file ", quoted(merges_path), ": line ", line_number, ": '", token,
-                   "' is not in ", quoted(vocab_path), "; expected the merges of that vocabulary");
-    }
-    // A pair listed twice keeps its later rank, as transformers does.
-    impl.merge_ranks[line] = rank++;
-  }
-  if (line_number == 0)
-    ZERO_THROW(zero::IoError, "tokenizer file ", quoted(merges_path),
-               " is empty; expected a '#version: ...' header and the BPE merges");
+  impl.merge_ranks = load_merge_ranks(folder / "merges.txt", vocab_path, impl.vocab);
 
   // tokenizer_config.json (+ special_tokens_map.json): length and special tokens.
   const fs::path config_path = folder / "tokenizer_config.json";
@@ -532,7 +544,9 @@ void ClipTokenizer::append_normalized_piece_ids(std::string_view normalized, std
 }
 
 std::vector<int64_t> ClipTokenizer::token_ids(std::string_view prompt) const {
-  check_utf8(prompt);
+  if (const std::size_t bad = first_invalid_utf8(prompt); bad != std::string_view::npos)
+    ZERO_THROW(zero::InvalidArgument, "CLIP tokenizer: the prompt is not valid UTF-8 (at byte ", bad,
+               "); expected UTF-8 text");
   std::vector<int64_t> ids;
   std::vector<Piece> raw_pieces;
   split_special(prompt, special_tokens_, /*normalized=*/false, raw_pieces);

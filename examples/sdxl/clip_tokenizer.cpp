@@ -19,11 +19,11 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -155,6 +155,7 @@ std::string normalize(std::string_view piece) {
   const auto composed_length =
       utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(piece.data()), static_cast<utf8proc_ssize_t>(piece.size()),
                    &composed, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  const std::unique_ptr<utf8proc_uint8_t, decltype(&std::free)> owner(composed, &std::free);
   if (composed_length < 0)
     ZERO_THROW(zero::InvalidArgument, "CLIP tokenizer: NFC normalisation failed: ", utf8proc_errmsg(composed_length));
   const std::string_view nfc(reinterpret_cast<const char*>(composed), static_cast<std::size_t>(composed_length));
@@ -176,7 +177,6 @@ std::string normalize(std::string_view piece) {
       append_utf8(out, utf8proc_tolower(cp));
     }
   }
-  std::free(composed);
   return out;
 }
 

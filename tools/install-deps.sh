@@ -12,6 +12,7 @@ packages=(
   nlohmann-json3-dev               # safetensors headers, manifests, JSON results
   libcli11-dev                     # command lines of the tools and examples
   libtomlplusplus-dev              # trainer configs
+  libutf8proc-dev                  # Unicode categories, case mapping, NFC: the CLIP tokenizer
   libspdlog-dev libfmt-dev         # logging in the trainer
   doctest-dev                      # unit and MPI tests
   libbenchmark-dev                 # micro benchmarks

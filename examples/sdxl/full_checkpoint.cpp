@@ -91,22 +91,6 @@ SafeTensorsFile open_base(const fs::path& base) {
   }
 }
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-void append_list(std::ostringstream& out, const char* what, const std::vector<std::string>& names) {
-  if (names.empty()) return;
-  constexpr std::size_t kShown = 20;
-  out << "\n  " << names.size() << " " << what << ":";
-  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) out << "\n    " << names[i];
-  if (names.size() > kShown) out << "\n    ... and " << names.size() - kShown << " more";
-}
-
 /// Original name -> the model's parameter, for every parameter of the model.
 std::map<std::string, torch::Tensor> unet_by_original_name(const UNet2DConditionModelImpl& model) {
   std::map<std::string, torch::Tensor> by_diffusers_name;

@@ -200,22 +200,6 @@ bool is_original_layout(const WeightSet& set) {
                      [](const auto& item) { return item.first.rfind(kOriginalPrefix, 0) == 0; });
 }
 
-std::string shape_text(torch::IntArrayRef shape) {
-  std::ostringstream out;
-  out << "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-void append_list(std::ostringstream& out, const char* what, const std::vector<std::string>& names) {
-  if (names.empty()) return;
-  constexpr std::size_t kShown = 20;
-  out << "\n  " << names.size() << " " << what << ":";
-  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) out << "\n    " << names[i];
-  if (names.size() > kShown) out << "\n    ... and " << names.size() - kShown << " more";
-}
-
 // ---------------------------------------------------------------- original single-file names
 
 const std::map<std::string, std::string>& resnet_renames() {
@@ -246,6 +230,22 @@ std::string rename_resnet_tail(const std::vector<std::string>& parts, std::size_
 }
 
 }  // namespace
+
+std::string shape_text(torch::IntArrayRef shape) {
+  std::ostringstream out;
+  out << "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+void append_list(std::ostringstream& out, const char* what, const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  constexpr std::size_t kShown = 20;
+  out << "\n  " << names.size() << " " << what << ":";
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) out << "\n    " << names[i];
+  if (names.size() > kShown) out << "\n    ... and " << names.size() - kShown << " more";
+}
 
 // ---------------------------------------------------------------- public API
 

@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,13 @@ zero::io::TensorDType safetensors_dtype_of(torch::ScalarType type);
 /// Every tensor of a safetensors file, copied to CPU tensors of the stored
 /// dtype (F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL).
 std::map<std::string, torch::Tensor> read_tensors(const std::filesystem::path& path);
+
+/// "[a, b, c]": a shape in error messages.
+std::string shape_text(torch::IntArrayRef shape);
+
+/// Appends "\n  N what:" and the first 20 names (then "... and K more") to an
+/// error message; nothing when `names` is empty.
+void append_list(std::ostringstream& out, const char* what, const std::vector<std::string>& names);
 
 /// Writes CPU copies of `tensors` to a safetensors file, atomically.
 void write_tensors(const std::filesystem::path& path, const std::map<std::string, torch::Tensor>& tensors,

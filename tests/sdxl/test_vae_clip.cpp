@@ -1,0 +1,219 @@
+// The VAE and both SDXL text encoders against diffusers/transformers outputs
+// for tiny random-weight models (tests/fixtures/sdxl_vae_clip, README there),
+// and the pipeline-folder loader's errors.
+#include <ATen/CPUGeneratorImpl.h>
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "clip_text.hpp"
+#include "pipeline_folder.hpp"
+#include "unet_io.hpp"
+#include "vae.hpp"
+#include "zero/core/error.hpp"
+
+namespace fs = std::filesystem;
+using torch::Tensor;
+
+namespace {
+
+const fs::path kFixture = fs::path(ZERO_TEST_FIXTURES) / "sdxl_vae_clip";
+const fs::path kPipeline = kFixture / "pipeline";
+
+const std::map<std::string, Tensor>& reference() {
+  static const std::map<std::string, Tensor> tensors = sdxl::read_tensors(kFixture / "reference.safetensors");
+  return tensors;
+}
+const Tensor& ref(const std::string& name) {
+  auto it = reference().find(name);
+  REQUIRE_MESSAGE(it != reference().end(), "reference.safetensors has no ", name);
+  return it->second;
+}
+
+double rel_l2(const Tensor& actual, const Tensor& expected) {
+  REQUIRE(actual.sizes() == expected.sizes());
+  const Tensor a = actual.to(torch::kFloat64), e = expected.to(torch::kFloat64);
+  return ((a - e).norm() / e.norm()).item<double>();
+}
+
+void check_close(const std::string& what, const Tensor& actual, const Tensor& expected, double tolerance) {
+  const double error = rel_l2(actual, expected);
+  INFO(what, ": rel. L2 ", error, " (tolerance ", tolerance, ")");
+  CHECK(error <= tolerance);
+  MESSAGE(what, ": rel. L2 ", error);
+}
+
+torch::TensorOptions dtype_options(const std::string& tag) {
+  return torch::TensorOptions().dtype(tag == "fp32" ? torch::kFloat32 : torch::kBFloat16);
+}
+double tolerance(const std::string& tag) { return tag == "fp32" ? 1e-5 : 2e-2; }
+
+// A private copy of the fixture pipeline to break.
+struct ScratchPipeline {
+  fs::path root;
+  ScratchPipeline() {
+    root = fs::temp_directory_path() / ("zero_vae_clip_" + std::to_string(::getpid()));
+    fs::remove_all(root);
+    fs::copy(kPipeline, root, fs::copy_options::recursive);
+  }
+  ~ScratchPipeline() {
+    std::error_code ignored;
+    fs::remove_all(root, ignored);
+  }
+  void edit_config(const fs::path& file, const std::function<void(nlohmann::json&)>& change) const {
+    nlohmann::json doc = nlohmann::json::parse(std::ifstream(root / file));
+    change(doc);
+    std::ofstream(root / file) << doc.dump(2);
+  }
+};
+
+std::string load_error(const std::function<void()>& load) {
+  try {
+    load();
+  } catch (const zero::IoError& e) {
+    return e.what();
+  }
+  FAIL("expected zero::IoError");
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("vae: encode and decode match diffusers (fp32, bf16)") {
+  torch::NoGradGuard no_grad;
+  for (const std::string tag : {"fp32", "bf16"}) {
+    CAPTURE(tag);
+    sdxl::AutoencoderKL vae = sdxl::load_vae(kPipeline, dtype_options(tag));
+    CHECK(vae->config().scaling_factor == doctest::Approx(0.13025));
+    CHECK(vae->compute_dtype() == (tag == "fp32" ? torch::kFloat32 : torch::kBFloat16));
+    const sdxl::LatentDistribution posterior = vae->encode(ref("vae.images"));
+    check_close(tag + " vae mean", posterior.mean, ref(tag + ".vae.mean"), tolerance(tag));
+    check_close(tag + " vae logvar", posterior.logvar, ref(tag + ".vae.logvar"), tolerance(tag));
+    const Tensor noise = ref("vae.noise").to(posterior.mean.scalar_type());
+    check_close(tag + " vae sample", posterior.mean + posterior.std() * noise, ref(tag + ".vae.sample"),
+                tolerance(tag));
+    check_close(tag + " vae decoded", vae->decode(ref("vae.latents")), ref(tag + ".vae.decoded"), tolerance(tag));
+    if (tag == "fp32") {
+      // sample() draws from the caller's generator only: same seed, same draw.
+      torch::Generator a = at::detail::createCPUGenerator(7), b = at::detail::createCPUGenerator(7);
+      const Tensor first = posterior.sample(a), second = posterior.sample(b);
+      CHECK(torch::equal(first, second));
+      CHECK(!torch::equal(first, posterior.mode()));
+    }
+  }
+}
+
+TEST_CASE("vae: fp16 variant weights and fp16 requests with force_upcast") {
+  torch::NoGradGuard no_grad;
+  // The fp16 files hold the same weights rounded to fp16; the model runs in fp32.
+  sdxl::AutoencoderKL vae = sdxl::load_vae(kPipeline / "vae", torch::TensorOptions().dtype(torch::kFloat32),
+                                           sdxl::WeightVariant::kFp16);
+  check_close("vae fp16-variant decoded", vae->decode(ref("vae.latents")), ref("fp32.vae.decoded"), 1e-2);
+  // SDXL's VAE has force_upcast: fp16 becomes fp32, as in diffusers' pipelines.
+  sdxl::AutoencoderKL upcast = sdxl::load_vae(kPipeline, torch::TensorOptions().dtype(torch::kFloat16));
+  CHECK(upcast->compute_dtype() == torch::kFloat32);
+  CHECK(upcast->decode(ref("vae.latents")).scalar_type() == torch::kFloat32);
+}
+
+TEST_CASE("clip: both text encoders and the SDXL conditioning match transformers (fp32, bf16)") {
+  torch::NoGradGuard no_grad;
+  for (const std::string tag : {"fp32", "bf16"}) {
+    CAPTURE(tag);
+    // text_encoder: one file; text_encoder_2: four shards.
+    sdxl::SdxlTextEncoders encoders = sdxl::load_sdxl_text_encoders(kPipeline, dtype_options(tag));
+    REQUIRE(!encoders.text_encoder->with_projection());
+    REQUIRE(encoders.text_encoder_2->with_projection());
+    const double tol = tolerance(tag);
+    const sdxl::ClipTextOutput one = encoders.text_encoder->forward(ref("text.ids1"));
+    check_close(tag + " te1 last", one.last_hidden_state, ref(tag + ".te1.last"), tol);
+    check_close(tag + " te1 penultimate", one.penultimate(), ref(tag + ".te1.penultimate"), tol);
+    check_close(tag + " te1 pooled", one.pooled, ref(tag + ".te1.pooled"), tol);
+    const sdxl::ClipTextOutput two = encoders.text_encoder_2->forward(ref("text.ids2"));
+    check_close(tag + " te2 last", two.last_hidden_state, ref(tag + ".te2.last"), tol);
+    check_close(tag + " te2 penultimate", two.penultimate(), ref(tag + ".te2.penultimate"), tol);
+    check_close(tag + " te2 text_embeds", two.text_embeds, ref(tag + ".te2.text_embeds"), tol);
+    const sdxl::SdxlTextConditioning cond = sdxl::sdxl_text_conditioning(
+        *encoders.text_encoder, ref("text.ids1"), *encoders.text_encoder_2, ref("text.ids2"));
+    CHECK(cond.prompt_embeds.size(-1) == 32 + 48);
+    check_close(tag + " sdxl prompt_embeds", cond.prompt_embeds, ref(tag + ".sdxl.prompt_embeds"), tol);
+    check_close(tag + " sdxl pooled_prompt_embeds", cond.pooled_prompt_embeds,
+                ref(tag + ".sdxl.pooled_prompt_embeds"), tol);
+  }
+}
+
+TEST_CASE("clip: the pooled row follows transformers' eos rule") {
+  torch::NoGradGuard no_grad;
+  // Encoder 2's eos id (997) is not the largest id, and row 1 holds 999 before
+  // its EOS: argmax would pick another row than "first eos" does.
+  sdxl::ClipTextModel two = sdxl::load_clip_text_model(kPipeline / "text_encoder_2");
+  const Tensor ids = ref("text.ids2");
+  const sdxl::ClipTextOutput out = two->forward(ids);
+  const std::int64_t eos = ids[1].eq(997).nonzero()[0].item<std::int64_t>();
+  REQUIRE(ids[1].argmax().item<std::int64_t>() != eos);
+  CHECK(rel_l2(out.pooled[1], out.last_hidden_state[1][eos]) == 0.0);
+}
+
+TEST_CASE("clip: fp16 variant of text_encoder") {
+  torch::NoGradGuard no_grad;
+  sdxl::ClipTextModel one = sdxl::load_clip_text_model(kPipeline / "text_encoder",
+                                                        torch::TensorOptions().dtype(torch::kFloat32),
+                                                        sdxl::WeightVariant::kFp16);
+  check_close("te1 fp16-variant last", one->forward(ref("text.ids1")).last_hidden_state, ref("fp32.te1.last"), 1e-2);
+}
+
+TEST_CASE("pipeline folder: errors name the file, key and expected shape") {
+  SUBCASE("missing config key") {
+    ScratchPipeline scratch;
+    scratch.edit_config("vae/config.json", [](nlohmann::json& doc) { doc.erase("latent_channels"); });
+    const std::string message = load_error([&] { sdxl::load_vae(scratch.root); });
+    CHECK(message.find("vae/config.json") != std::string::npos);
+    CHECK(message.find("\"latent_channels\" is missing") != std::string::npos);
+  }
+  SUBCASE("unsupported config value") {
+    ScratchPipeline scratch;
+    scratch.edit_config("vae/config.json", [](nlohmann::json& doc) { doc["act_fn"] = "gelu"; });
+    CHECK(load_error([&] { sdxl::load_vae(scratch.root); }).find("\"act_fn\"") != std::string::npos);
+  }
+  SUBCASE("wrong shape") {
+    ScratchPipeline scratch;
+    scratch.edit_config("text_encoder/config.json", [](nlohmann::json& doc) { doc["intermediate_size"] = 80; });
+    const std::string message = load_error([&] { sdxl::load_clip_text_model(scratch.root / "text_encoder"); });
+    CHECK(message.find("text_encoder") != std::string::npos);
+    CHECK(message.find("encoder.layers.0.mlp.fc1.weight: checkpoint [64, 32], expected [80, 32]") !=
+          std::string::npos);
+    CHECK(message.find("nothing was loaded") != std::string::npos);
+  }
+  SUBCASE("missing shard") {
+    ScratchPipeline scratch;
+    fs::remove(scratch.root / "text_encoder_2" / "model-00002-of-00004.safetensors");
+    const std::string message = load_error([&] { sdxl::load_sdxl_text_encoders(scratch.root); });
+    CHECK(message.find("model.safetensors.index.json") != std::string::npos);
+    CHECK(message.find("model-00002-of-00004.safetensors") != std::string::npos);
+  }
+  SUBCASE("missing weights and variant") {
+    ScratchPipeline scratch;
+    fs::remove(scratch.root / "vae" / "diffusion_pytorch_model.fp16.safetensors");
+    const std::string message = load_error(
+        [&] { sdxl::load_vae(scratch.root, torch::TensorOptions(), sdxl::WeightVariant::kFp16); });
+    CHECK(message.find("diffusion_pytorch_model.fp16.safetensors") != std::string::npos);
+  }
+  SUBCASE("tensors the config does not build") {
+    // A VAE config asking for no mid-block attention meets weights that have it.
+    ScratchPipeline scratch;
+    scratch.edit_config("vae/config.json", [](nlohmann::json& doc) { doc["mid_block_add_attention"] = false; });
+    const std::string message = load_error([&] { sdxl::load_vae(scratch.root); });
+    CHECK(message.find("unexpected tensors") != std::string::npos);
+    CHECK(message.find("decoder.mid_block.attentions.0.to_q.weight") != std::string::npos);
+  }
+  SUBCASE("component missing from model_index.json") {
+    ScratchPipeline scratch;
+    scratch.edit_config("model_index.json", [](nlohmann::json& doc) { doc.erase("text_encoder_2"); });
+    CHECK(load_error([&] { sdxl::load_sdxl_text_encoders(scratch.root); }).find("no component 'text_encoder_2'") !=
+          std::string::npos);
+  }
+}

@@ -165,7 +165,7 @@ std::vector<fs::path> component_weight_files(const fs::path& dir, const std::str
       looked_for.push_back(index);
     }
   }
-  for (const std::string pickle : {base + ".bin", base + ".fp16.bin"}) {
+  for (const std::string& pickle : {base + ".bin", base + ".fp16.bin"}) {
     if (fs::exists(dir / pickle))
       ZERO_THROW(zero::IoError, "'", (dir / pickle).string(), "' is a Python pickle, and unpickling can execute "
                  "code: convert the model to safetensors (the diffusers/transformers save_pretrained default)");

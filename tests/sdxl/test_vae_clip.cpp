@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -29,9 +30,9 @@ const std::map<std::string, Tensor>& reference() {
   static const std::map<std::string, Tensor> tensors = sdxl::read_tensors(kFixture / "reference.safetensors");
   return tensors;
 }
-const Tensor& ref(const std::string& name) {
+const Tensor& fixture_tensor(const std::string& name) {
   auto it = reference().find(name);
-  REQUIRE_MESSAGE(it != reference().end(), "reference.safetensors has no ", name);
+  REQUIRE_MESSAGE(it != reference().end(), ("reference.safetensors has no " + name));
   return it->second;
 }
 
@@ -43,9 +44,11 @@ double rel_l2(const Tensor& actual, const Tensor& expected) {
 
 void check_close(const std::string& what, const Tensor& actual, const Tensor& expected, double tolerance) {
   const double error = rel_l2(actual, expected);
-  INFO(what, ": rel. L2 ", error, " (tolerance ", tolerance, ")");
+  char report[256];
+  std::snprintf(report, sizeof report, "%s: rel. L2 %.2e (tolerance %.0e)", what.c_str(), error, tolerance);
+  INFO(report);
   CHECK(error <= tolerance);
-  MESSAGE(what, ": rel. L2 ", error);
+  MESSAGE(report);
 }
 
 torch::TensorOptions dtype_options(const std::string& tag) {
@@ -90,14 +93,14 @@ TEST_CASE("vae: encode and decode match diffusers (fp32, bf16)") {
     CAPTURE(tag);
     sdxl::AutoencoderKL vae = sdxl::load_vae(kPipeline, dtype_options(tag));
     CHECK(vae->config().scaling_factor == doctest::Approx(0.13025));
-    CHECK(vae->compute_dtype() == (tag == "fp32" ? torch::kFloat32 : torch::kBFloat16));
-    const sdxl::LatentDistribution posterior = vae->encode(ref("vae.images"));
-    check_close(tag + " vae mean", posterior.mean, ref(tag + ".vae.mean"), tolerance(tag));
-    check_close(tag + " vae logvar", posterior.logvar, ref(tag + ".vae.logvar"), tolerance(tag));
-    const Tensor noise = ref("vae.noise").to(posterior.mean.scalar_type());
-    check_close(tag + " vae sample", posterior.mean + posterior.std() * noise, ref(tag + ".vae.sample"),
+    CHECK((vae->compute_dtype() == (tag == "fp32" ? torch::kFloat32 : torch::kBFloat16)));
+    const sdxl::LatentDistribution posterior = vae->encode(fixture_tensor("vae.images"));
+    check_close(tag + " vae mean", posterior.mean, fixture_tensor(tag + ".vae.mean"), tolerance(tag));
+    check_close(tag + " vae logvar", posterior.logvar, fixture_tensor(tag + ".vae.logvar"), tolerance(tag));
+    const Tensor noise = fixture_tensor("vae.noise").to(posterior.mean.scalar_type());
+    check_close(tag + " vae sample", posterior.mean + posterior.std() * noise, fixture_tensor(tag + ".vae.sample"),
                 tolerance(tag));
-    check_close(tag + " vae decoded", vae->decode(ref("vae.latents")), ref(tag + ".vae.decoded"), tolerance(tag));
+    check_close(tag + " vae decoded", vae->decode(fixture_tensor("vae.latents")), fixture_tensor(tag + ".vae.decoded"), tolerance(tag));
     if (tag == "fp32") {
       // sample() draws from the caller's generator only: same seed, same draw.
       torch::Generator a = at::detail::createCPUGenerator(7), b = at::detail::createCPUGenerator(7);
@@ -113,11 +116,11 @@ TEST_CASE("vae: fp16 variant weights and fp16 requests with force_upcast") {
   // The fp16 files hold the same weights rounded to fp16; the model runs in fp32.
   sdxl::AutoencoderKL vae = sdxl::load_vae(kPipeline / "vae", torch::TensorOptions().dtype(torch::kFloat32),
                                            sdxl::WeightVariant::kFp16);
-  check_close("vae fp16-variant decoded", vae->decode(ref("vae.latents")), ref("fp32.vae.decoded"), 1e-2);
+  check_close("vae fp16-variant decoded", vae->decode(fixture_tensor("vae.latents")), fixture_tensor("fp32.vae.decoded"), 1e-2);
   // SDXL's VAE has force_upcast: fp16 becomes fp32, as in diffusers' pipelines.
   sdxl::AutoencoderKL upcast = sdxl::load_vae(kPipeline, torch::TensorOptions().dtype(torch::kFloat16));
-  CHECK(upcast->compute_dtype() == torch::kFloat32);
-  CHECK(upcast->decode(ref("vae.latents")).scalar_type() == torch::kFloat32);
+  CHECK((upcast->compute_dtype() == torch::kFloat32));
+  CHECK((upcast->decode(fixture_tensor("vae.latents")).scalar_type() == torch::kFloat32));
 }
 
 TEST_CASE("clip: both text encoders and the SDXL conditioning match transformers (fp32, bf16)") {
@@ -129,20 +132,20 @@ TEST_CASE("clip: both text encoders and the SDXL conditioning match transformers
     REQUIRE(!encoders.text_encoder->with_projection());
     REQUIRE(encoders.text_encoder_2->with_projection());
     const double tol = tolerance(tag);
-    const sdxl::ClipTextOutput one = encoders.text_encoder->forward(ref("text.ids1"));
-    check_close(tag + " te1 last", one.last_hidden_state, ref(tag + ".te1.last"), tol);
-    check_close(tag + " te1 penultimate", one.penultimate(), ref(tag + ".te1.penultimate"), tol);
-    check_close(tag + " te1 pooled", one.pooled, ref(tag + ".te1.pooled"), tol);
-    const sdxl::ClipTextOutput two = encoders.text_encoder_2->forward(ref("text.ids2"));
-    check_close(tag + " te2 last", two.last_hidden_state, ref(tag + ".te2.last"), tol);
-    check_close(tag + " te2 penultimate", two.penultimate(), ref(tag + ".te2.penultimate"), tol);
-    check_close(tag + " te2 text_embeds", two.text_embeds, ref(tag + ".te2.text_embeds"), tol);
+    const sdxl::ClipTextOutput one = encoders.text_encoder->forward(fixture_tensor("text.ids1"));
+    check_close(tag + " te1 last", one.last_hidden_state, fixture_tensor(tag + ".te1.last"), tol);
+    check_close(tag + " te1 penultimate", one.penultimate(), fixture_tensor(tag + ".te1.penultimate"), tol);
+    check_close(tag + " te1 pooled", one.pooled, fixture_tensor(tag + ".te1.pooled"), tol);
+    const sdxl::ClipTextOutput two = encoders.text_encoder_2->forward(fixture_tensor("text.ids2"));
+    check_close(tag + " te2 last", two.last_hidden_state, fixture_tensor(tag + ".te2.last"), tol);
+    check_close(tag + " te2 penultimate", two.penultimate(), fixture_tensor(tag + ".te2.penultimate"), tol);
+    check_close(tag + " te2 text_embeds", two.text_embeds, fixture_tensor(tag + ".te2.text_embeds"), tol);
     const sdxl::SdxlTextConditioning cond = sdxl::sdxl_text_conditioning(
-        *encoders.text_encoder, ref("text.ids1"), *encoders.text_encoder_2, ref("text.ids2"));
+        *encoders.text_encoder, fixture_tensor("text.ids1"), *encoders.text_encoder_2, fixture_tensor("text.ids2"));
     CHECK(cond.prompt_embeds.size(-1) == 32 + 48);
-    check_close(tag + " sdxl prompt_embeds", cond.prompt_embeds, ref(tag + ".sdxl.prompt_embeds"), tol);
+    check_close(tag + " sdxl prompt_embeds", cond.prompt_embeds, fixture_tensor(tag + ".sdxl.prompt_embeds"), tol);
     check_close(tag + " sdxl pooled_prompt_embeds", cond.pooled_prompt_embeds,
-                ref(tag + ".sdxl.pooled_prompt_embeds"), tol);
+                fixture_tensor(tag + ".sdxl.pooled_prompt_embeds"), tol);
   }
 }
 
@@ -151,7 +154,7 @@ TEST_CASE("clip: the pooled row follows transformers' eos rule") {
   // Encoder 2's eos id (997) is not the largest id, and row 1 holds 999 before
   // its EOS: argmax would pick another row than "first eos" does.
   sdxl::ClipTextModel two = sdxl::load_clip_text_model(kPipeline / "text_encoder_2");
-  const Tensor ids = ref("text.ids2");
+  const Tensor ids = fixture_tensor("text.ids2");
   const sdxl::ClipTextOutput out = two->forward(ids);
   const std::int64_t eos = ids[1].eq(997).nonzero()[0].item<std::int64_t>();
   REQUIRE(ids[1].argmax().item<std::int64_t>() != eos);
@@ -163,7 +166,7 @@ TEST_CASE("clip: fp16 variant of text_encoder") {
   sdxl::ClipTextModel one = sdxl::load_clip_text_model(kPipeline / "text_encoder",
                                                         torch::TensorOptions().dtype(torch::kFloat32),
                                                         sdxl::WeightVariant::kFp16);
-  check_close("te1 fp16-variant last", one->forward(ref("text.ids1")).last_hidden_state, ref("fp32.te1.last"), 1e-2);
+  check_close("te1 fp16-variant last", one->forward(fixture_tensor("text.ids1")).last_hidden_state, fixture_tensor("fp32.te1.last"), 1e-2);
 }
 
 TEST_CASE("pipeline folder: errors name the file, key and expected shape") {

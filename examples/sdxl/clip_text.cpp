@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "zero/core/error.hpp"
@@ -77,6 +78,30 @@ ClipTextConfig ClipTextConfig::from_json(const std::string& text, const std::str
     c.pad_token_id = bounded_int(doc, source, "pad_token_id", 0, c.vocab_size - 1);
   if (doc.contains("bos_token_id") && !doc["bos_token_id"].is_null())
     c.bos_token_id = bounded_int(doc, source, "bos_token_id", 0, c.vocab_size - 1);
+  return c;
+}
+
+ClipTextConfig ClipTextConfig::sdxl_text_encoder() {
+  ClipTextConfig c;
+  c.vocab_size = 49408;
+  c.hidden_size = 768;
+  c.intermediate_size = 3072;
+  c.num_hidden_layers = 12;
+  c.num_attention_heads = 12;
+  c.max_position_embeddings = 77;
+  c.hidden_act = "quick_gelu";
+  c.projection_dim = 768;
+  return c;  // eos_token_id 2, pad 1, bos 0: the defaults, as SDXL's config.json
+}
+
+ClipTextConfig ClipTextConfig::sdxl_text_encoder_2() {
+  ClipTextConfig c = sdxl_text_encoder();
+  c.hidden_size = 1280;
+  c.intermediate_size = 5120;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 20;
+  c.hidden_act = "gelu";
+  c.projection_dim = 1280;
   return c;
 }
 
@@ -255,6 +280,94 @@ SdxlTextEncoders load_sdxl_text_encoders(const fs::path& pipeline_root, torch::T
   encoders.text_encoder = load_clip_text_model(folder.component("text_encoder", "CLIPTextModel"), options, variant);
   encoders.text_encoder_2 =
       load_clip_text_model(folder.component("text_encoder_2", "CLIPTextModelWithProjection"), options, variant);
+  return encoders;
+}
+
+namespace {
+
+// OpenCLIP name (after "conditioner.embedders.1.model.") -> transformers name;
+// "" for tensors without one; the name itself when unrecognised. The fused
+// in_proj tensors are handled by the caller.
+std::string openclip_name(const std::string& name) {
+  static const std::map<std::string, std::string> kTop = {
+      {"token_embedding.weight", "text_model.embeddings.token_embedding.weight"},
+      {"positional_embedding", "text_model.embeddings.position_embedding.weight"},
+      {"ln_final.weight", "text_model.final_layer_norm.weight"},
+      {"ln_final.bias", "text_model.final_layer_norm.bias"},
+      {"text_projection", "text_projection.weight"},
+      {"logit_scale", ""},
+      {"attn_mask", ""}};
+  if (auto it = kTop.find(name); it != kTop.end()) return it->second;
+  static const std::string kBlocks = "transformer.resblocks.";
+  if (name.rfind(kBlocks, 0) != 0) return name;
+  const auto dot = name.find('.', kBlocks.size());
+  if (dot == std::string::npos) return name;
+  const std::string layer = name.substr(kBlocks.size(), dot - kBlocks.size());
+  const std::string tail = name.substr(dot + 1);
+  static const std::pair<const char*, const char*> kParts[] = {{"ln_1.", "layer_norm1."},
+                                                               {"ln_2.", "layer_norm2."},
+                                                               {"attn.out_proj.", "self_attn.out_proj."},
+                                                               {"mlp.c_fc.", "mlp.fc1."},
+                                                               {"mlp.c_proj.", "mlp.fc2."}};
+  for (const auto& [from, to] : kParts) {
+    const std::string prefix = from;
+    if (tail.rfind(prefix, 0) == 0)
+      return "text_model.encoder.layers." + layer + "." + to + tail.substr(prefix.size());
+  }
+  return name;
+}
+
+}  // namespace
+
+SdxlTextEncoders load_sdxl_text_encoders_from_single_file(const fs::path& file, torch::TensorOptions options,
+                                                          const ClipTextConfig& config,
+                                                          const ClipTextConfig& config_2) {
+  static const std::string kPrefix1 = "conditioner.embedders.0.transformer.";
+  static const std::string kPrefix2 = "conditioner.embedders.1.model.";
+  WeightSet weights = WeightSet::open({file}, file.string());
+  std::vector<TensorSource> one, two;
+  for (const auto& [stored, location] : weights.tensors) {
+    const zero::io::TensorInfo& info = *location.second;
+    auto reader = [&weights, stored = stored] { return weights.read(stored); };
+    if (stored.rfind(kPrefix1, 0) == 0) {
+      const std::string name = stored.substr(kPrefix1.size());
+      one.push_back({clip_module_name(name), stored, info.shape, info.dtype, reader});
+    } else if (stored.rfind(kPrefix2, 0) == 0) {
+      const std::string name = stored.substr(kPrefix2.size());
+      const auto in_proj = name.find(".attn.in_proj_");
+      if (in_proj != std::string::npos && info.shape.size() >= 1 && info.shape[0] % 3 == 0) {
+        // [3D, D] (weight) or [3D] (bias): rows q, k, v.
+        const std::string layer_prefix =
+            "text_model.encoder.layers." + name.substr(std::string("transformer.resblocks.").size(),
+                                                       in_proj - std::string("transformer.resblocks.").size());
+        const std::string kind = name.substr(in_proj + std::string(".attn.in_proj_").size());  // weight / bias
+        std::vector<std::int64_t> shape = info.shape;
+        shape[0] /= 3;
+        const char* parts[] = {"q_proj", "k_proj", "v_proj"};
+        for (std::int64_t k = 0; k < 3; ++k) {
+          two.push_back({layer_prefix + ".self_attn." + parts[k] + "." + kind, stored, shape, info.dtype,
+                         [&weights, stored = stored, k, rows = shape[0]] {
+                           return weights.read(stored).narrow(0, k * rows, rows).contiguous();
+                         }});
+        }
+      } else if (name == "text_projection" && info.shape.size() == 2) {
+        two.push_back({"text_projection.weight", stored, {info.shape[1], info.shape[0]}, info.dtype,
+                       [&weights, stored = stored] { return weights.read(stored).t().contiguous(); }});
+      } else {
+        two.push_back({openclip_name(name), stored, info.shape, info.dtype, reader});
+      }
+    }
+  }
+  if (one.empty() || two.empty())
+    ZERO_THROW(zero::IoError, "'", file.string(), "' holds no SDXL text encoder", one.empty() ? "" : " 2",
+               ": no tensor starts with \"", one.empty() ? kPrefix1 : kPrefix2, "\"");
+  SdxlTextEncoders encoders;
+  encoders.text_encoder = ClipTextModel(config, /*with_projection=*/false, options);
+  load_tensor_sources(*encoders.text_encoder, one, "CLIPTextModel", file.string());
+  encoders.text_encoder->eval();
+  encoders.text_encoder_2 = ClipTextModel(config_2, /*with_projection=*/true, options);
+  load_tensor_sources(*encoders.text_encoder_2, two, "CLIPTextModelWithProjection", file.string());
+  encoders.text_encoder_2->eval();
   return encoders;
 }
 

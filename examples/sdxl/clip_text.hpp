@@ -38,6 +38,10 @@ struct ClipTextConfig {
   /// "text_config" of a full CLIPConfig is not accepted). zero::IoError
   /// naming `source` and the key for a missing or unsupported one.
   static ClipTextConfig from_json(const std::string& text, const std::string& source);
+  /// SDXL 1.0's text_encoder (CLIP ViT-L/14) and text_encoder_2 (OpenCLIP
+  /// bigG, with a 1280-wide projection), as their config.json files say.
+  static ClipTextConfig sdxl_text_encoder();
+  static ClipTextConfig sdxl_text_encoder_2();
 };
 
 /// What the encoder returns for token ids [B, T].
@@ -91,6 +95,18 @@ struct SdxlTextEncoders {
 SdxlTextEncoders load_sdxl_text_encoders(const std::filesystem::path& pipeline_root,
                                          torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
                                          WeightVariant variant = WeightVariant::kPreferFull);
+
+/// Both text encoders from an original (Stability AI) single-file SDXL
+/// checkpoint: "conditioner.embedders.0.transformer.text_model.*" (already in
+/// transformers' naming) and "conditioner.embedders.1.model.*" in OpenCLIP's
+/// naming (transformer.resblocks.I with a fused attn.in_proj_weight split
+/// into q/k/v, ln_1/ln_2, mlp.c_fc/c_proj, positional_embedding, ln_final,
+/// text_projection stored as [hidden, projection] and transposed). The file
+/// holds no configs: the defaults are SDXL 1.0's.
+SdxlTextEncoders load_sdxl_text_encoders_from_single_file(
+    const std::filesystem::path& file, torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
+    const ClipTextConfig& config = ClipTextConfig::sdxl_text_encoder(),
+    const ClipTextConfig& config_2 = ClipTextConfig::sdxl_text_encoder_2());
 
 /// The UNet's text conditioning.
 struct SdxlTextConditioning {

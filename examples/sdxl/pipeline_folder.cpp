@@ -219,44 +219,44 @@ Tensor WeightSet::read(const std::string& name) const {
   return t;
 }
 
-void load_named_tensors(torch::nn::Module& module, const WeightSet& set, const std::string& what,
-                        const std::function<std::string(const std::string&)>& stored_to_module) {
+void load_tensor_sources(torch::nn::Module& module, const std::vector<TensorSource>& sources,
+                         const std::string& what, const std::string& description) {
   std::map<std::string, Tensor> expected;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) expected.emplace(item.key(), item.value());
   for (const auto& item : module.named_buffers(/*recurse=*/true)) expected.emplace(item.key(), item.value());
 
   std::vector<std::string> unexpected, misshapen, bad_dtype;
-  std::map<std::string, std::string> found;  // module name -> stored name
-  for (const auto& [stored, location] : set.tensors) {
-    const std::string name = stored_to_module ? stored_to_module(stored) : stored;
-    if (name.empty()) continue;
-    auto it = expected.find(name);
+  std::map<std::string, const TensorSource*> found;  // by module name; null when present but unusable
+  for (const TensorSource& source : sources) {
+    if (source.module_name.empty()) continue;
+    auto it = expected.find(source.module_name);
     if (it == expected.end()) {
-      unexpected.push_back(stored);
+      unexpected.push_back(source.stored_name);
       continue;
     }
-    const TensorInfo& info = *location.second;
-    if (!torch::IntArrayRef(info.shape).equals(it->second.sizes())) {
-      misshapen.push_back(stored + ": checkpoint " + shape_text(info.shape) + ", expected " +
-                          shape_text(it->second.sizes()));
-      found.emplace(name, "");
+    if (!torch::IntArrayRef(source.shape).equals(it->second.sizes())) {
+      misshapen.push_back(source.stored_name + ": checkpoint " + shape_text(source.shape) + ", expected " +
+                          shape_text(it->second.sizes()) + (source.stored_name == source.module_name
+                                                                  ? std::string()
+                                                                  : " (for " + source.module_name + ")"));
+      found.emplace(source.module_name, nullptr);
       continue;
     }
-    if (info.dtype != TensorDType::F32 && info.dtype != TensorDType::F16 && info.dtype != TensorDType::BF16 &&
-        info.dtype != TensorDType::F64) {
-      bad_dtype.push_back(stored + ": " + std::string(zero::io::name_of(info.dtype)));
-      found.emplace(name, "");
+    if (source.dtype != TensorDType::F32 && source.dtype != TensorDType::F16 && source.dtype != TensorDType::BF16 &&
+        source.dtype != TensorDType::F64) {
+      bad_dtype.push_back(source.stored_name + ": " + std::string(zero::io::name_of(source.dtype)));
+      found.emplace(source.module_name, nullptr);
       continue;
     }
-    if (!found.emplace(name, stored).second)
-      unexpected.push_back(stored + " (a second tensor for " + name + ")");
+    if (!found.emplace(source.module_name, &source).second)
+      unexpected.push_back(source.stored_name + " (a second tensor for " + source.module_name + ")");
   }
   std::vector<std::string> missing;
   for (const auto& [name, tensor] : expected)
     if (found.count(name) == 0) missing.push_back(name + " " + shape_text(tensor.sizes()));
   if (!missing.empty() || !unexpected.empty() || !misshapen.empty() || !bad_dtype.empty()) {
     std::ostringstream out;
-    out << "checkpoint '" << set.description << "' does not match the " << what << " (nothing was loaded):";
+    out << "checkpoint '" << description << "' does not match the " << what << " (nothing was loaded):";
     append_list(out, "missing tensors", missing);
     append_list(out, "unexpected tensors", unexpected);
     append_list(out, "tensors with the wrong shape", misshapen);
@@ -264,7 +264,18 @@ void load_named_tensors(torch::nn::Module& module, const WeightSet& set, const s
     ZERO_THROW(zero::IoError, out.str());
   }
   torch::NoGradGuard no_grad;
-  for (auto& [name, tensor] : expected) tensor.copy_(set.read(found.at(name)));
+  for (auto& [name, tensor] : expected) tensor.copy_(found.at(name)->read());
+}
+
+void load_named_tensors(torch::nn::Module& module, const WeightSet& set, const std::string& what,
+                        const std::function<std::string(const std::string&)>& stored_to_module) {
+  std::vector<TensorSource> sources;
+  for (const auto& [stored, location] : set.tensors) {
+    const TensorInfo& info = *location.second;
+    sources.push_back({stored_to_module ? stored_to_module(stored) : stored, stored, info.shape, info.dtype,
+                       [&set, name = stored] { return set.read(name); }});
+  }
+  load_tensor_sources(module, sources, what, set.description);
 }
 
 }  // namespace sdxl

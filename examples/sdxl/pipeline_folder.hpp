@@ -72,6 +72,21 @@ struct WeightSet {
   torch::Tensor read(const std::string& name) const;
 };
 
+/// One tensor a checkpoint provides for a module's parameter or buffer.
+struct TensorSource {
+  std::string module_name;  // "" when the module has no use for it (skipped)
+  std::string stored_name;  // for messages; several sources may share one (a fused qkv)
+  std::vector<std::int64_t> shape;  // of what read() returns
+  zero::io::TensorDType dtype = zero::io::TensorDType::F32;
+  std::function<torch::Tensor()> read;  // a CPU tensor, only called once all sources match
+};
+
+/// Copies the sources into `module`'s parameters and buffers by module name,
+/// converting dtype. Strict, as load_named_tensors; `description` names the
+/// checkpoint in messages.
+void load_tensor_sources(torch::nn::Module& module, const std::vector<TensorSource>& sources,
+                         const std::string& what, const std::string& description);
+
 /// Copies `set`'s tensors into `module`'s parameters and buffers by name,
 /// converting dtype. `stored_to_module` maps a stored name to the module's
 /// name, or to "" to skip the tensor (e.g. buffers old checkpoints carry);

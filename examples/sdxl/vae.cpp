@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <set>
 
 #include "zero/core/error.hpp"
@@ -411,7 +412,89 @@ fs::path vae_folder(const fs::path& path) {
   return path;
 }
 
+// ldm name (after "first_stage_model.") -> diffusers name; "" when it has
+// none, and the name itself when it is not recognised (reported as unexpected).
+std::string original_vae_name(const std::string& name, std::size_t levels) {
+  std::vector<std::string> p;
+  for (std::size_t start = 0;;) {
+    const auto dot = name.find('.', start);
+    p.push_back(name.substr(start, dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  auto join_from = [&](std::size_t from) {
+    std::string out;
+    for (std::size_t i = from; i < p.size(); ++i) out += (out.empty() ? "" : ".") + p[i];
+    return out;
+  };
+  auto resnet_tail = [&](std::size_t from) {
+    std::string tail = join_from(from);
+    if (tail.rfind("nin_shortcut.", 0) == 0) tail = "conv_shortcut." + tail.substr(13);
+    return tail;
+  };
+  auto level_index = [&](const std::string& text, bool reversed) -> std::string {
+    std::size_t i = 0;
+    try {
+      i = std::stoul(text);
+    } catch (const std::exception&) {
+      return "";
+    }
+    if (i >= levels) return "";
+    return std::to_string(reversed ? levels - 1 - i : i);
+  };
+  if (p.size() < 3 || (p[0] != "encoder" && p[0] != "decoder")) return name;
+  const std::string& part = p[0];
+  if (p[1] == "norm_out") return part + ".conv_norm_out." + join_from(2);
+  if (p[1] == "conv_in" || p[1] == "conv_out") return name;
+  if (p[1] == "mid" && p.size() >= 4) {
+    if (p[2] == "block_1") return part + ".mid_block.resnets.0." + resnet_tail(3);
+    if (p[2] == "block_2") return part + ".mid_block.resnets.1." + resnet_tail(3);
+    if (p[2] == "attn_1") {
+      static const std::map<std::string, std::string> kAttn = {
+          {"norm", "group_norm"}, {"q", "to_q"}, {"k", "to_k"}, {"v", "to_v"}, {"proj_out", "to_out.0"}};
+      auto it = kAttn.find(p[3]);
+      if (it != kAttn.end()) return part + ".mid_block.attentions.0." + it->second + "." + join_from(4);
+    }
+    return name;
+  }
+  const bool down = part == "encoder" && p[1] == "down", up = part == "decoder" && p[1] == "up";
+  if ((down || up) && p.size() >= 5) {
+    const std::string level = level_index(p[2], /*reversed=*/up);
+    if (level.empty()) return name;
+    const std::string block = part + (down ? ".down_blocks." : ".up_blocks.") + level;
+    if (p[3] == "block") return block + ".resnets." + p[4] + "." + resnet_tail(5);
+    if (p[3] == (down ? "downsample" : "upsample") && p[4] == "conv")
+      return block + (down ? ".downsamplers.0.conv." : ".upsamplers.0.conv.") + join_from(5);
+  }
+  return name;
+}
+
 }  // namespace
+
+AutoencoderKL load_vae_from_single_file(const fs::path& file, torch::TensorOptions options, const VaeConfig& config) {
+  static const std::string kPrefix = "first_stage_model.";
+  WeightSet weights = WeightSet::open({file}, file.string());
+  std::vector<TensorSource> sources;
+  for (const auto& [stored, location] : weights.tensors) {
+    if (stored.rfind(kPrefix, 0) != 0) continue;  // the UNet and text encoders
+    const zero::io::TensorInfo& info = *location.second;
+    TensorSource source{original_vae_name(stored.substr(kPrefix.size()), config.block_out_channels.size()), stored,
+                        info.shape, info.dtype, [&weights, stored = stored] { return weights.read(stored); }};
+    // ldm's attention projections are 1x1 convolutions: [C, C, 1, 1] -> [C, C].
+    if (source.module_name.find(".attentions.0.to_") != std::string::npos && info.shape.size() == 4 &&
+        info.shape[2] == 1 && info.shape[3] == 1) {
+      source.shape = {info.shape[0], info.shape[1]};
+      source.read = [&weights, stored = stored] { return weights.read(stored).flatten(1); };
+    }
+    sources.push_back(std::move(source));
+  }
+  if (sources.empty())
+    ZERO_THROW(zero::IoError, "'", file.string(), "' holds no VAE: no tensor starts with \"", kPrefix, "\"");
+  AutoencoderKL model(config, options);
+  load_tensor_sources(*model, sources, "VAE", file.string());
+  model->eval();
+  return model;
+}
 
 AutoencoderKL load_vae(const fs::path& path, torch::TensorOptions options, WeightVariant variant) {
   const fs::path dir = vae_folder(path);

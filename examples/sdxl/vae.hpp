@@ -95,4 +95,14 @@ AutoencoderKL load_vae(const std::filesystem::path& path,
                        torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
                        WeightVariant variant = WeightVariant::kPreferFull);
 
+/// Loads the VAE from an original (Stability AI, ldm-layout) single-file
+/// SDXL checkpoint: its "first_stage_model.*" tensors (encoder.down.I.block.J,
+/// mid.block_1/attn_1/block_2, decoder.up.I with I counted from the lowest
+/// resolution, norm_out, nin_shortcut, 1x1-conv attention projections) are
+/// mapped to diffusers' names; the file's other models are ignored. The file
+/// holds no config: `config` (SDXL 1.0's by default) must describe it.
+AutoencoderKL load_vae_from_single_file(const std::filesystem::path& file,
+                                        torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
+                                        const VaeConfig& config = VaeConfig::sdxl());
+
 }  // namespace sdxl

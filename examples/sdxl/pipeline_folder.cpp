@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "unet_io.hpp"  // shape_text, append_list
 #include "zero/core/error.hpp"
 #include "zero/io/json_limits.hpp"
 
@@ -79,21 +80,6 @@ std::vector<fs::path> index_shards(const fs::path& index_path) {
     files.push_back(path);
   }
   return files;
-}
-
-std::string shape_text(torch::IntArrayRef shape) {
-  std::ostringstream out;
-  out << '[';
-  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
-void append_list(std::ostringstream& out, const char* what, const std::vector<std::string>& names) {
-  if (names.empty()) return;
-  out << "\n  " << what << " (" << names.size() << "):";
-  for (std::size_t i = 0; i < names.size() && i < 20; ++i) out << "\n    " << names[i];
-  if (names.size() > 20) out << "\n    ... and " << names.size() - 20 << " more";
 }
 
 }  // namespace

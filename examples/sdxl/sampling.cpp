@@ -56,11 +56,10 @@ SamplingResult sample_latents(UNet2DConditionModelImpl& unet, const TextConditio
   const Tensor any_parameter = unet.parameters().front();
   const auto model = torch::TensorOptions().dtype(any_parameter.scalar_type()).device(any_parameter.device());
 
-  const std::int64_t batch = text.prompt_embeds.defined() ? text.prompt_embeds.size(0) : 0;
-  ZERO_CHECK(batch >= 1, "sampling: 'prompt_embeds' is missing or empty");
-  const std::int64_t tokens = text.prompt_embeds.dim() == 3 ? text.prompt_embeds.size(1) : -1;
   const std::int64_t context_dim = config.cross_attention_dim.empty() ? -1 : config.cross_attention_dim.front();
-  check_shape(text.prompt_embeds, "prompt_embeds", {batch, -1, context_dim});
+  check_shape(text.prompt_embeds, "prompt_embeds", {-1, -1, context_dim});
+  const std::int64_t batch = text.prompt_embeds.size(0), tokens = text.prompt_embeds.size(1);
+  ZERO_CHECK(batch >= 1, "sampling: 'prompt_embeds' holds no prompt (batch size 0)");
   const bool guided = options.guidance_scale > 1.0;  // diffusers' do_classifier_free_guidance
   const bool text_time = config.addition_embed_text_time;
   const std::int64_t pooled_dim =

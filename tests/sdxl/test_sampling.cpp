@@ -323,6 +323,10 @@ TEST_CASE("the seed's noise is diffusers' CPU generator's, and sampling leaves t
   // ... and without guidance it is not used.
   options.guidance_scale = 1.0;
   CHECK_NOTHROW(sdxl::sample_latents(*unet, no_negative, options));
+  sdxl::TextConditioning flat = fixture.text;
+  flat.prompt_embeds = flat.prompt_embeds.reshape({2, -1});
+  CHECK(message_of([&] { sdxl::sample_latents(*unet, flat, options); })
+            .find("'prompt_embeds' has shape [2, 448]; expected [*, *, 64]") != std::string::npos);
   options.height = 100;
   CHECK(message_of([&] { sdxl::sample_latents(*unet, fixture.text, options); }).find("multiples of 8") !=
         std::string::npos);

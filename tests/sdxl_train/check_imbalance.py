@@ -23,7 +23,9 @@ import sys
 TRAIN, MPIEXEC, CONFIG, WORK = sys.argv[1:5]
 MPI_FLAGS = sys.argv[5:]
 STEPS = 4
-SLEEP_S = 0.4
+# Long against the noise of 2 ranks on 2 shared cores (a tiny step takes 1-3 s there);
+# the checks below ask for half of it.
+SLEEP_S = 1.0
 PHASES = ("fwd_bwd", "comm_wait", "optimizer")
 KEYS = [f"imbalance/{p}_{end}_s" for p in PHASES for end in ("min", "max")] + ["imbalance/slowest_rank"]
 failures = []
@@ -40,7 +42,7 @@ def train(name, *overrides, env=None):
     out = os.path.join(WORK, name)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [MPIEXEC, "-np", "2", *MPI_FLAGS, TRAIN, "--config", CONFIG, "--output_dir", out, "--steps", str(STEPS),
-           "--synthetic_samples", "32", "--log_every", "1", "--checkpoint_every", "0", "--save_final", "false",
+           "--synthetic_samples", "32", "--warmup_steps", "1", "--log_every", "1", "--checkpoint_every", "0", "--save_final", "false",
            "--export_unet", "false", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, **(env or {})))
     records = []
@@ -78,14 +80,14 @@ proc, records = train("slow_rank1", "--stage", "3", env={"ZERO_FAULT_SLOW_RANK":
 if not check(proc.returncode == 0 and len(records) == STEPS, f"2: stage 3 with rank 1 slowed trains (exit {proc.returncode})"):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
 else:
-    check("fault injection: rank 1 sleeps 400 ms in every micro-step" in proc.stdout, "2: rank 0 announces the test hook")
+    check(f"fault injection: rank 1 sleeps {int(SLEEP_S * 1000)} ms in every micro-step" in proc.stdout, "2: rank 0 announces the test hook")
     slowest = [r["imbalance/slowest_rank"] for r in records]
     check(all(s == 1 for s in slowest), f"2: rank 1 is the slowest at every step: {slowest}")
     spread = [r["imbalance/fwd_bwd_max_s"] - r["imbalance/fwd_bwd_min_s"] for r in records]
-    check(all(s >= 0.75 * SLEEP_S for s in spread),
-          f"2: forward+backward max - min >= 0.75 x the {SLEEP_S} s sleep: {[round(s, 3) for s in spread]}")
+    check(all(s >= 0.5 * SLEEP_S for s in spread),
+          f"2: forward+backward max - min >= 0.5 x the {SLEEP_S} s sleep: {[round(s, 3) for s in spread]}")
     waits = [r["imbalance/comm_wait_max_s"] for r in records]
-    check(all(w >= 0.75 * SLEEP_S for w in waits),
+    check(all(w >= 0.5 * SLEEP_S for w in waits),
           f"2: the fast rank's wait for the slow one is communication wait: max {[round(w, 3) for w in waits]}")
     lines = progress_lines(proc)
     check(bool(lines) and all("slowest rank 1" in l for l in lines), "2: the progress line names rank 1")

@@ -63,13 +63,13 @@ proc, records = train("balanced", "--stage", "2")
 if not check(proc.returncode == 0 and len(records) == STEPS, f"1: stage 2 trains {STEPS} steps (exit {proc.returncode})"):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
 else:
-    check(all(all(k in r for k in KEYS) for r in records), "1: every record has " + ", ".join(KEYS))
-    check(all(r[f"imbalance/{p}_min_s"] <= r[f"imbalance/{p}_max_s"] for r in records for p in PHASES),
-          "1: min <= max for every phase")
-    check(all(r[k] >= 0 for r in records for k in KEYS), "1: times and rank >= 0")
-    check(all(r["imbalance/slowest_rank"] in (0, 1) for r in records), "1: the slowest rank is 0 or 1")
-    check(all(r["imbalance/fwd_bwd_max_s"] > 0 and r["imbalance/optimizer_max_s"] > 0 for r in records),
-          "1: forward+backward and the optimizer took some time")
+    if check(all(all(k in r for k in KEYS) for r in records), "1: every record has " + ", ".join(KEYS)):
+        check(all(r[f"imbalance/{p}_min_s"] <= r[f"imbalance/{p}_max_s"] for r in records for p in PHASES),
+              "1: min <= max for every phase")
+        check(all(r[k] >= 0 for r in records for k in KEYS), "1: times and rank >= 0")
+        check(all(r["imbalance/slowest_rank"] in (0, 1) for r in records), "1: the slowest rank is 0 or 1")
+        check(all(r["imbalance/fwd_bwd_max_s"] > 0 and r["imbalance/optimizer_max_s"] > 0 for r in records),
+              "1: forward+backward and the optimizer took some time")
     lines = progress_lines(proc)
     check(len(lines) == STEPS and all(re.search(r"fwd\+bwd [0-9.]+-[0-9.]+ s, wait [0-9.]+-[0-9.]+ s, "
                                                 r"opt [0-9.]+-[0-9.]+ s, slowest rank [01]", l) for l in lines),
@@ -79,7 +79,7 @@ else:
 proc, records = train("slow_rank1", "--stage", "3", env={"ZERO_FAULT_SLOW_RANK": f"{int(SLEEP_S * 1000)}@1"})
 if not check(proc.returncode == 0 and len(records) == STEPS, f"2: stage 3 with rank 1 slowed trains (exit {proc.returncode})"):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
-else:
+elif check(all(all(k in r for k in KEYS) for r in records), "2: every record has the imbalance fields"):
     check(f"fault injection: rank 1 sleeps {int(SLEEP_S * 1000)} ms in every micro-step" in proc.stdout, "2: rank 0 announces the test hook")
     slowest = [r["imbalance/slowest_rank"] for r in records]
     check(all(s == 1 for s in slowest), f"2: rank 1 is the slowest at every step: {slowest}")

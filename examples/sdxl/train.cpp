@@ -265,8 +265,29 @@ std::optional<NanGradFault> nan_grad_fault_from_env(int world) {
   return f;
 }
 
+// ZERO_FAULT_SLOW_RANK=<milliseconds>@<rank>: that rank sleeps so long in
+// every micro-step before its forward pass, as a rank on a slower or busier
+// device would compute longer. Tests check that the imbalance metrics name it
+// as the slowest rank (tests/sdxl_train/check_imbalance.py).
+struct SlowRankFault {
+  int rank = 0;
+  std::chrono::milliseconds delay{0};
+};
+
+std::optional<SlowRankFault> slow_rank_fault_from_env(int world) {
+  const char* text = std::getenv("ZERO_FAULT_SLOW_RANK");
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  long long ms = 0;
+  int rank = 0, used = 0;
+  ZERO_CHECK(std::sscanf(text, "%lld@%d%n", &ms, &rank, &used) == 2 && used == static_cast<int>(std::string(text).size()) &&
+                 ms >= 0 && rank >= 0 && rank < world,
+             "ZERO_FAULT_SLOW_RANK='", text, "': expected <milliseconds>@<rank> with the rank in [0, ", world, ")");
+  return SlowRankFault{rank, std::chrono::milliseconds(ms)};
+}
+
 struct GradientFaults {
   std::optional<NanGradFault> nan_grad;
+  std::optional<SlowRankFault> slow_rank;
   bool poison_this_step = false;  // read by the gradient hook, set by the step loop
 };
 
@@ -275,6 +296,10 @@ struct GradientFaults {
 void prepare_gradients(const TrainConfig& cfg, ModelOnEngine& m, GradientFaults& faults,
                        const zero::MpiCommunicator& host_comm) {
   faults.nan_grad = nan_grad_fault_from_env(host_comm.size());
+  faults.slow_rank = slow_rank_fault_from_env(host_comm.size());
+  if (faults.slow_rank && host_comm.rank() == 0)
+    std::printf("fault injection: rank %d sleeps %lld ms in every micro-step\n", faults.slow_rank->rank,
+                static_cast<long long>(faults.slow_rank->delay.count()));
   ZERO_CHECK(!(faults.nan_grad && cfg.cuda_graph), "ZERO_FAULT_NAN_GRAD_STEPS does not work with [device] cuda_graph "
              "(its hook runs on the host, which a replayed graph skips)");
   if (cfg.cuda_graph) m.sharded->bind_gradients_to_engine();
@@ -411,6 +436,8 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   auto tensor_of = [&](const std::vector<float>& v, c10::IntArrayRef shape) {
     return torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32).to(device, run.model.compute_type);
   };
+  if (run.faults.slow_rank && run.faults.slow_rank->rank == run.host_comm.rank())
+    std::this_thread::sleep_for(run.faults.slow_rank->delay);
   data::Batch batch = run.data.loader->next();
   loop.sampler_state = batch.state_after;
   seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
@@ -490,6 +517,7 @@ struct StepMeasures {
   zero::StepResult result;
   Clock::time_point step_start, step_call;
   double step_call_seconds = 0;
+  metrics::RankImbalance imbalance;  // this step's phases over all ranks
 };
 
 /// metrics.jsonl, TensorBoard, and the progress line every log_every steps.
@@ -512,6 +540,10 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
   // update, of which the gradient statistics and the update loop).
   record.extra["timing/fwd_bwd_s"] = seconds_between(m.step_start, m.step_call);
   record.extra["timing/step_call_s"] = m.step_call_seconds;
+  // Load imbalance: each phase's min/max over ranks, waits for collectives
+  // taken out of forward+backward and the optimizer (examples/sdxl/README.md,
+  // "Load imbalance").
+  for (const auto& [key, value] : metrics::imbalance_scalars(m.imbalance)) record.extra[key] = value;
   if (cfg.offload_optimizer) {
     record.extra["timing/cpu_grad_stats_s"] = m.result.cpu_grad_stats_seconds;
     record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;
@@ -519,17 +551,32 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
   }
   sinks.jsonl->write(record);
   sinks.tensorboard->add_scalars({{"train/loss", m.loss}, {"train/lr", m.lr}, {"train/grad_norm", m.result.grad_norm},
-                                  {"train/images_per_s", m.images_per_s}, {"train/mem_max_bytes", m.mem_max_bytes}},
+                                  {"train/images_per_s", m.images_per_s}, {"train/mem_max_bytes", m.mem_max_bytes},
+                                  {"imbalance/fwd_bwd_max_s", m.imbalance.fwd_bwd.max},
+                                  {"imbalance/fwd_bwd_min_s", m.imbalance.fwd_bwd.min},
+                                  {"imbalance/comm_wait_max_s", m.imbalance.comm_wait.max},
+                                  {"imbalance/slowest_rank", static_cast<double>(m.imbalance.slowest_rank)}},
                                  m.done);
   if (m.done % cfg.log_every == 0 || m.done == cfg.steps) {
     metrics::Progress p{.step = m.done, .total_steps = cfg.steps, .start_step = run.data.resumed.step,
                         .loss = m.loss, .loss_ema = sinks.loss_ema.value(), .lr = m.lr,
                         .images_per_s = m.images_per_s, .mem_max_bytes = static_cast<std::uint64_t>(m.mem_max_bytes),
-                        .mem_min_bytes = static_cast<std::uint64_t>(m.mem_min_bytes), .elapsed_s = *record.elapsed_s};
+                        .mem_min_bytes = static_cast<std::uint64_t>(m.mem_min_bytes), .elapsed_s = *record.elapsed_s,
+                        .imbalance = m.imbalance};
     const std::string line = sinks.progress.render(p, sinks.tty ? metrics::terminal_width(stdout) : 0);
     std::printf("%s\n", line.c_str());  // one line per interval: mpirun relays lines, not '\r'
     std::fflush(stdout);
   }
+}
+
+/// Every rank's phase times of this step, in one all-gather of three floats
+/// per rank over the host communicator (metrics/rank_timing.hpp).
+metrics::RankImbalance gather_phase_times(zero::MpiCommunicator& host_comm, const metrics::PhaseTimes& mine) {
+  float own[metrics::kPhaseValues];
+  metrics::pack(mine, own);
+  std::vector<float> all(metrics::kPhaseValues * static_cast<std::size_t>(host_comm.size()));
+  host_comm.all_gather(own, all.data(), metrics::kPhaseValues, zero::DType::fp32)->wait();
+  return metrics::summarize_ranks(all);
 }
 
 enum class StepsEnd { finished, stopped_as_asked, stopped_by_signal };
@@ -567,6 +614,8 @@ StepsEnd train_steps(Run& run) {
       start_profile_trace();
     }
     StepMeasures m;
+    const zero::Engine& engine = sharded.engine();
+    const double waited_before = engine.comm_wait_seconds();
     m.step_start = Clock::now();
     run.faults.poison_this_step = run.faults.nan_grad && run.faults.nan_grad->covers(step + 1);
     m.lr = loop.lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, cfg.steps);
@@ -582,8 +631,10 @@ StepsEnd train_steps(Run& run) {
           [&] { return run_micro_step(run, loop, step, micro); });
     ++loop.eager_steps_done;
     m.step_call = Clock::now();
+    const double waited_in_fwd_bwd = engine.comm_wait_seconds() - waited_before;
     m.result = take_optimizer_step(run, step);
     m.step_call_seconds = seconds_between(m.step_call, Clock::now());
+    const double waited_in_step = engine.comm_wait_seconds() - waited_before - waited_in_fwd_bwd;
     count_skipped_step(run, loop, m.result, step);
     double stats[2] = {loss_sum / static_cast<double>(cfg.accumulation), 0};
     run.host_comm.all_reduce_host_f64(stats, 1, zero::ReduceOp::avg);
@@ -603,6 +654,10 @@ StepsEnd train_steps(Run& run) {
     double minimum = static_cast<double>(mem);
     run.host_comm.all_reduce_host_f64(maxima, 2, zero::ReduceOp::max);
     run.host_comm.all_reduce_host_f64(&minimum, 1, zero::ReduceOp::min);
+    m.imbalance = gather_phase_times(run.host_comm,
+                                     {.fwd_bwd_s = seconds_between(m.step_start, m.step_call) - waited_in_fwd_bwd,
+                                      .comm_wait_s = waited_in_fwd_bwd + waited_in_step,
+                                      .optimizer_s = m.step_call_seconds - waited_in_step});
     m.mem_max_bytes = maxima[0];
     m.mem_min_bytes = minimum;
     m.loss = stats[0];

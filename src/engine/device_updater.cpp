@@ -31,7 +31,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     // Every rank updates everything: it first needs every reduced slice.
     auto gathers = m_.gather_buckets(
         m_.grads_full, m_.gdt, [&](std::size_t b) -> const void* { return m_.reduced_grad(b); }, false);
-    for (auto& g : gathers) g->wait();
+    for (auto& g : gathers) m_.wait_for_collective(*g);
     m_.order_after(compute, be.comm_stream());
     float* weights = full_weights();
     ShardUpdate u;

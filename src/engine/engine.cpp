@@ -180,9 +180,15 @@ std::vector<WorkPtr> Engine::Impl::gather_buckets_of(const FlatLayout& of, void*
   return works;
 }
 
+void Engine::Impl::wait_for_collective(Work& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work.wait();
+  comm_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 void Engine::Impl::finish_param_gather(std::size_t b) {
   if (!param_gathers[b]) return;
-  param_gathers[b]->wait();
+  wait_for_collective(*param_gathers[b]);
   param_gathers[b].reset();
   order_after(backend.compute_stream(), backend.comm_stream());
 }
@@ -433,7 +439,7 @@ void Engine::gather_unit(std::size_t unit) {
   bool waited = false;
   for (WorkPtr* work : {&m.unit_work[unit], m.has_frozen() ? &m.frozen_unit_work[unit] : nullptr}) {
     if (!work || !*work) continue;
-    (*work)->wait();
+    m.wait_for_collective(**work);
     work->reset();
     waited = true;
   }
@@ -492,7 +498,11 @@ StepResult Engine::step() {
   // it owns, summed in rank order: the same bits at every stage.
   const GradStats local = local_grad_stats(result);
   std::array<double, 2> global = {local.sum_squares, local.nonfinite ? 1.0 : 0.0};
-  m.comm.all_reduce_host_f64(global.data(), 2, ReduceOp::sum);
+  {
+    const auto start = std::chrono::steady_clock::now();
+    m.comm.all_reduce_host_f64(global.data(), 2, ReduceOp::sum);
+    m.comm_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   const bool nonfinite = global[1] > 0 || !std::isfinite(global[0]);
 
   // 2. The loss scale and the skip decision. The reduced gradient is the
@@ -566,6 +576,8 @@ MemoryByCategory Engine::memory() const {
   return {p.current(kParams), p.current(kGrads),   p.current(kMaster),
           p.current(kState),  p.current(kEma),     p.current(kBuffers) + impl_->comm.workspace_bytes() + replica_workspace};
 }
+
+double Engine::comm_wait_seconds() const { return impl_->comm_wait_seconds; }
 
 MemoryByCategory Engine::peak_memory() const {
   const detail::BufferPool& p = impl_->pool;

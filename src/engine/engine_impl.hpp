@@ -33,6 +33,10 @@ struct Engine::Impl {
 
   Communicator& comm;            // the shard group (the world without hybrid sharding)
   Communicator* replica_comm;    // hybrid sharding: the ranks holding the same shard; else null
+  /// Host seconds blocked in wait_for_collective (Engine::comm_wait_seconds).
+  double comm_wait_seconds = 0;
+  /// work.wait(), its host time added to comm_wait_seconds.
+  void wait_for_collective(Work& work);
   Backend& backend;
   const FlatLayout& layout;         // trainable parameters
   const FlatLayout& frozen_layout;  // frozen ones (no bucket when none)

@@ -37,7 +37,7 @@ void Engine::Impl::issue_reduce(std::size_t b) {
       // Hybrid sharding: the group's average of this shard, averaged across
       // the replicas that hold the same shard. Device communicators order the
       // two on the stream; a host one must finish the first before the second reads it.
-      if (comm.memory_kind() == MemoryKind::host) entry.work->wait();
+      if (comm.memory_kind() == MemoryKind::host) wait_for_collective(*entry.work);
       entry.work = replica_comm->all_reduce(destination, bucket.shard_size, gdt, ReduceOp::avg, backend.comm_stream());
     }
   }
@@ -51,7 +51,7 @@ void Engine::Impl::issue_reduce(std::size_t b) {
 }
 
 void Engine::Impl::complete(Pending& entry) {
-  if (entry.work) entry.work->wait();
+  if (entry.work) wait_for_collective(*entry.work);
   const Bucket& bucket = layout.buckets()[entry.bucket];
   if (plan.streams_grads_to_host) {
     // The reduced slice goes down now, overlapping the rest of backward;

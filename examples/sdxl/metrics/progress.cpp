@@ -97,6 +97,7 @@ std::string format_progress(const Progress& p, std::optional<double> eta_s, int 
     tail += printf_string(" | mem %.1f/%.1f %s max/min", static_cast<double>(p.mem_max_bytes) / unit,
                           static_cast<double>(p.mem_min_bytes) / unit, gib ? "GiB" : "MiB");
   }
+  if (p.imbalance) tail += " | " + format_imbalance(*p.imbalance);
   if (known_total) tail += " | ETA " + format_duration(eta_s.value_or(-1.0));
 
   int bar_length = 0;

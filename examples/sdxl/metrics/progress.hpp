@@ -1,7 +1,8 @@
 // The rank-0 progress line and the exponential moving average behind its
 // smoothed loss and ETA:
 //   step 120/1000 [#.........] 12% | loss 0.1234 (ema 0.1301) | lr 1.00e-05 |
-//   3.21 img/s | mem 21.3/20.9 GiB max/min | ETA 00:45:10
+//   3.21 img/s | mem 21.3/20.9 GiB max/min | fwd+bwd 0.910-1.204 s, wait
+//   0.012-0.301 s, opt 0.100-0.104 s, slowest rank 3 | ETA 00:45:10
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,8 @@
 #include <limits>
 #include <optional>
 #include <string>
+
+#include "rank_timing.hpp"
 
 namespace sdxl::metrics {
 
@@ -53,6 +56,8 @@ struct Progress {
   std::uint64_t mem_max_bytes = 0;  ///< peak memory of the fullest rank
   std::uint64_t mem_min_bytes = 0;  ///< peak memory of the emptiest rank
   double elapsed_s = 0.0;           ///< seconds since this run started
+  /// The step's phases, min-max over ranks (format_imbalance); empty: left out.
+  std::optional<RankImbalance> imbalance;
 };
 
 /// "HH:MM:SS" (hours grow past 99 rather than wrap); "--:--:--" for a

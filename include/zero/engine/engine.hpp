@@ -163,6 +163,15 @@ class Engine {
   double loss_scale() const { return scaler_.scale(); }
   std::int64_t steps_applied() const { return step_; }
   std::int64_t steps_skipped() const { return skipped_total_; }
+  /// Host seconds spent blocked waiting for the engine's collectives to
+  /// complete (gradient reduce-scatters, parameter gathers, the gradient
+  /// statistics' all-reduce), summed since construction; a caller takes the
+  /// difference around a phase. On host communicators this is time spent
+  /// waiting for slower ranks and the transfer itself. On device
+  /// communicators the host blocks on an event recorded after the collective,
+  /// so it also covers device work queued before it (Work::wait); no wait is
+  /// added for the measurement.
+  double comm_wait_seconds() const;
 
   // ------------------------------------------------------------ inspection (collective)
   /// All parameters as fp32 master values, in parameter order, each numel long

@@ -51,7 +51,8 @@ std::string EpochSchedule::describe() const {
   std::ostringstream text;
   text << batches_per_epoch_ << " global batches per epoch, accumulation " << accumulation_ << ": ";
   if (batches_per_epoch_ % accumulation_ == 0)
-    text << batches_per_epoch_ / accumulation_ << " steps per epoch";
+    text << batches_per_epoch_ / accumulation_ << (batches_per_epoch_ == accumulation_ ? " step" : " steps")
+         << " per epoch";
   else
     text << steps_per_epoch() << " steps per epoch (epoch k ends at step ceil(k x " << batches_per_epoch_ << " / "
          << accumulation_ << "))";

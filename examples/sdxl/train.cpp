@@ -653,7 +653,8 @@ StepsEnd train_steps(Run& run) {
     const bool every_steps = cfg.checkpoint_every > 0 && m.done % cfg.checkpoint_every == 0;
     if (every_steps || epochs.completes_multiple_of(m.done, cfg.checkpoint_every_epochs)) checkpoint(m.done);
     if (epochs.completes_multiple_of(m.done, cfg.export_every_epochs)) {
-      const std::int64_t epoch = epochs.completed(m.done);
+      // The multiple of export_every_epochs this step completes (the last, when one step completes several epochs).
+      const std::int64_t epoch = epochs.completed(m.done) / cfg.export_every_epochs * cfg.export_every_epochs;
       export_trained_model(run, fs::path(cfg.output_dir) / "exports" / epoch_folder_name(epoch), epoch);
     }
   }

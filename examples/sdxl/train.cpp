@@ -27,6 +27,7 @@
 
 #include "attention_backend.hpp"        // select_attention_backend
 #include "data/cached_dataset.hpp"      // CachedDataset: latents and embeddings cached on disk
+#include "data/epoch_schedule.hpp"      // EpochSchedule: the steps that end an epoch
 #include "data/loader.hpp"              // PrefetchingLoader
 #include "data/sampler.hpp"             // DistributedBucketSampler, SamplerState
 #include "data/synthetic.hpp"           // SyntheticDataset
@@ -39,6 +40,7 @@
 #include "stop_signals.hpp"             // SIGTERM/SIGINT/SIGUSR1: checkpoint and stop at a step boundary
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
 #include "train_config.hpp"             // TrainConfig and its command line
+#include "train_epochs.hpp"             // run_length, schedule_metadata: [train] epochs, *_every_epochs
 #include "train_export.hpp"             // export_unets, check_export_options, write_export_check, write_loss_plot
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
@@ -327,12 +329,16 @@ void prepare_gradients(const TrainConfig& cfg, ModelOnEngine& m, GradientFaults&
 
 struct TrainData {
   data::TextDims text;
+  data::EpochSchedule epochs{1, 1};  // which steps end an epoch of the sampler
+  std::int64_t steps = 0;            // the run's length: [train] steps, or what [train] epochs come to
+  std::map<std::string, std::string> schedule_record;  // saved with every checkpoint (schedule_metadata)
   Resumed resumed;  // the step and data position a resumed run starts from
   std::unique_ptr<data::PrefetchingLoader> loader;
 };
 
-/// The dataset (synthetic or cached), each rank's sampler, and the engine's
-/// state and data position from a checkpoint when resuming.
+/// The dataset (synthetic or cached), each rank's sampler, the run's length
+/// and epochs, and the engine's state and data position from a checkpoint
+/// when resuming.
 TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator& comm,
                     const zero::MpiCommunicator& host_comm) {
   TrainData d;
@@ -354,7 +360,18 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
                                                      .world_size = host_comm.size(),
                                                      .rank = host_comm.rank(),
                                                      .seed = static_cast<std::uint64_t>(cfg.seed)});
-  d.resumed = maybe_resume(cfg, *m.sharded, comm);
+  d.epochs = data::EpochSchedule(sampler.batches_per_epoch(), static_cast<std::uint64_t>(cfg.accumulation));
+  d.steps = run_length(cfg, d.epochs);
+  d.schedule_record = schedule_metadata(cfg, d.epochs);
+  if (host_comm.rank() == 0) {
+    std::printf("data: %zu samples, %s (global batch %zu = batch_size %lld x %d ranks; %zu samples of partly filled "
+                "batches left out of each epoch); the run: %lld steps = %.4g epochs\n",
+                dataset->size(), d.epochs.describe().c_str(), sampler.global_batch_size(),
+                static_cast<long long>(cfg.batch_size), host_comm.size(), sampler.leftover_per_epoch(),
+                static_cast<long long>(d.steps), d.epochs.progress(d.steps));
+    std::fflush(stdout);
+  }
+  d.resumed = maybe_resume(cfg, d.epochs, *m.sharded, comm);
   if (d.resumed.sampler) sampler.restore(*d.resumed.sampler);
   // Only now, with every check of the resume passed.
   if (host_comm.rank() == 0 && !d.resumed.folder.empty())
@@ -535,6 +552,7 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
   record.loss_scale = m.result.loss_scale;
   record.skipped_steps = run.sharded().engine().steps_skipped();
   record.elapsed_s = seconds_between(loop.start, Clock::now());
+  record.extra["epoch"] = run.data.epochs.progress(m.done);  // epochs done after this step (fraction: of the next)
   // Where a step's time goes (rank 0): forward/backward until the last
   // loss is read back, the host time of step() (with offload: the CPU
   // update, of which the gradient statistics and the update loop).
@@ -557,8 +575,9 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
                                   {"imbalance/comm_wait_max_s", m.imbalance.comm_wait.max},
                                   {"imbalance/slowest_rank", static_cast<double>(m.imbalance.slowest_rank)}},
                                  m.done);
-  if (m.done % cfg.log_every == 0 || m.done == cfg.steps) {
-    metrics::Progress p{.step = m.done, .total_steps = cfg.steps, .start_step = run.data.resumed.step,
+  if (m.done % cfg.log_every == 0 || m.done == run.data.steps) {
+    metrics::Progress p{.step = m.done, .total_steps = run.data.steps, .start_step = run.data.resumed.step,
+                        .epoch = record.extra.at("epoch"),
                         .loss = m.loss, .loss_ema = sinks.loss_ema.value(), .lr = m.lr,
                         .images_per_s = m.images_per_s, .mem_max_bytes = static_cast<std::uint64_t>(m.mem_max_bytes),
                         .mem_min_bytes = static_cast<std::uint64_t>(m.mem_min_bytes), .elapsed_s = *record.elapsed_s,
@@ -590,7 +609,8 @@ void stop_after_signal(Run& run, const StepLoop& loop, std::int64_t done, int si
                 static_cast<long long>(done), signal_name(signal));
     std::fflush(stdout);
   }
-  save_checkpoint(run.cfg, done, run.sharded(), run.runtime.communicator(), loop.sampler_state, run.host_comm);
+  save_checkpoint(run.cfg, done, run.sharded(), run.runtime.communicator(), loop.sampler_state,
+                  run.data.schedule_record, run.host_comm);
   if (run.leader) {
     std::printf("stopped after step %lld on %s: checkpoint written under %s/checkpoints; resume with --resume latest "
                 "(exit code %d)\n",
@@ -599,15 +619,24 @@ void stop_after_signal(Run& run, const StepLoop& loop, std::int64_t done, int si
   }
 }
 
-/// The steps from the resumed one to cfg.steps, with their checkpoints. Ends
-/// early after stop_after steps, or after the step during which a rank got
-/// SIGTERM, SIGINT or SIGUSR1 (with a checkpoint of that step).
+void export_trained_model(Run& run, const fs::path& where, std::int64_t epoch);
+
+/// The steps from the resumed one to the run's length, with their
+/// checkpoints and the exports of epochs. Ends early after stop_after steps,
+/// or after the step during which a rank got SIGTERM, SIGINT or SIGUSR1 (with
+/// a checkpoint of that step).
 StepsEnd train_steps(Run& run) {
   const TrainConfig& cfg = run.cfg;
+  const std::int64_t steps = run.data.steps;
+  const data::EpochSchedule& epochs = run.data.epochs;
   zero::adapter::ShardedModel& sharded = run.sharded();
   StepLoop loop(run);
   const StopSignals stop_signals(run.host_comm.rank());
-  for (std::int64_t step = run.data.resumed.step; step < cfg.steps; ++step) {
+  auto checkpoint = [&](std::int64_t done) {
+    save_checkpoint(cfg, done, sharded, run.runtime.communicator(), loop.sampler_state, run.data.schedule_record,
+                    run.host_comm);
+  };
+  for (std::int64_t step = run.data.resumed.step; step < steps; ++step) {
     const bool profiling = run.leader && cfg.profile_step == step + 1;
     if (profiling) {
       run.runtime.synchronize();  // the trace starts with an idle GPU
@@ -618,7 +647,7 @@ StepsEnd train_steps(Run& run) {
     const double waited_before = engine.comm_wait_seconds();
     m.step_start = Clock::now();
     run.faults.poison_this_step = run.faults.nan_grad && run.faults.nan_grad->covers(step + 1);
-    m.lr = loop.lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, cfg.steps);
+    m.lr = loop.lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, steps);
     sharded.engine().set_lr(m.lr);
     double loss_sum = 0;
     for (std::int64_t micro = 0; micro < cfg.accumulation; ++micro)
@@ -668,26 +697,39 @@ StepsEnd train_steps(Run& run) {
       stop_after_signal(run, loop, m.done, signal);
       return StepsEnd::stopped_by_signal;
     }
-    if (cfg.stop_after > 0 && m.done == cfg.stop_after && m.done < cfg.steps) {
-      save_checkpoint(cfg, m.done, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
+    if (cfg.stop_after > 0 && m.done == cfg.stop_after && m.done < steps) {
+      checkpoint(m.done);
       if (run.leader)
         std::printf("stopped after step %lld as asked; resume with --resume latest\n", static_cast<long long>(m.done));
       return StepsEnd::stopped_as_asked;
     }
-    if (cfg.checkpoint_every > 0 && m.done % cfg.checkpoint_every == 0 && m.done < cfg.steps)
-      save_checkpoint(cfg, m.done, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
+    // The last step's checkpoint and export are the run's final ones (save_final, export_unet).
+    if (m.done == steps) continue;
+    const bool every_steps = cfg.checkpoint_every > 0 && m.done % cfg.checkpoint_every == 0;
+    if (every_steps || epochs.completes_multiple_of(m.done, cfg.checkpoint_every_epochs)) checkpoint(m.done);
+    if (epochs.completes_multiple_of(m.done, cfg.export_every_epochs)) {
+      // The multiple of export_every_epochs this step completes (the last, when one step completes several epochs).
+      const std::int64_t epoch = epochs.completed(m.done) / cfg.export_every_epochs * cfg.export_every_epochs;
+      export_trained_model(run, fs::path(cfg.output_dir) / "exports" / epoch_folder_name(epoch), epoch);
+    }
   }
-  if (cfg.save_final && run.data.resumed.step < cfg.steps)
-    save_checkpoint(cfg, cfg.steps, sharded, run.runtime.communicator(), loop.sampler_state, run.host_comm);
+  if (cfg.save_final && run.data.resumed.step < steps) checkpoint(steps);
   return StepsEnd::finished;
 }
 
 // ------------------------------------------------------------------ export
 
-/// The trained UNet (and its EMA) in diffusers' layout, the check of its
-/// prediction, and the loss curve.
-void export_trained_model(Run& run) {
-  const TrainConfig& cfg = run.cfg;
+/// The trained UNet (and its EMA) in diffusers' layout (with LoRA: the
+/// adapters, merged too with merge_lora), the check of its prediction, into
+/// the folder `where` as the final export writes them into output_dir; the
+/// final export (`epoch` 0) adds the loss curve. Every rank takes part (the
+/// gathers, the forward of the check).
+void export_trained_model(Run& run, const fs::path& where, std::int64_t epoch) {
+  // The exports below write under their configuration's output_dir.
+  TrainConfig cfg = run.cfg;
+  cfg.output_dir = where.string();
+  if (run.leader) fs::create_directories(where);
+  run.host_comm.barrier();
   write_export_check(cfg, run.model.unet, run.data.text, run.runtime.device(), run.model.compute_type, run.leader);
   zero::Engine& engine = run.sharded().engine();
   auto weights = engine.gather_master_params();
@@ -707,6 +749,11 @@ void export_trained_model(Run& run) {
                (cfg.merge_lora ? " (merged: " + exported + ")" : "");
   } else {
     export_unets(cfg, run.model.config, weights, ema, run.model.parameter_names);
+  }
+  if (epoch > 0) {
+    std::printf("epoch %lld: exported %s\n", static_cast<long long>(epoch), exported.c_str());
+    std::fflush(stdout);
+    return;
   }
   run.metrics.tensorboard->flush();
   write_loss_plot(cfg);
@@ -747,7 +794,7 @@ int main(int argc, char** argv) {
     const StepsEnd end = train_steps(run);
     if (end == StepsEnd::stopped_by_signal) return kExitStoppedBySignal;
     if (end == StepsEnd::stopped_as_asked) return 0;
-    if (cfg.export_unet) export_trained_model(run);
+    if (cfg.export_unet) export_trained_model(run, cfg.output_dir, 0);
     return 0;
   }, describe_torch_failure);
 }

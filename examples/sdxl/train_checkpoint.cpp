@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "train_epochs.hpp"
 #include "zero/checkpoint/checkpoint.hpp"
 #include "zero/engine/engine_state.hpp"
 #include "zero/io/crc32c.hpp"
@@ -51,7 +52,8 @@ void check_same_freeze(const TrainConfig& c, const zero::Engine& engine, const f
 }  // namespace
 
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
-                     zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host) {
+                     zero::Communicator& comm, const data::SamplerState& sampler,
+                     const std::map<std::string, std::string>& schedule, zero::MpiCommunicator& host) {
   const fs::path root = checkpoints_root(c);
   // One file per rank of a shard group (all ranks without hybrid sharding),
   // written by the first replica: the others hold the same state. Shard
@@ -73,6 +75,7 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
   host.barrier();
   std::vector<std::pair<std::string, std::string>> metadata = {{"train.config", c.to_toml()}};
   for (auto& [k, v] : sampler.to_metadata()) metadata.emplace_back(k, v);
+  for (const auto& [k, v] : schedule) metadata.emplace_back(k, v);
   if (writes) model.engine().save_state((staging / own).string(), metadata);
   // Every writer checksums its own file; rank 0 lists them all in the manifest.
   std::uint32_t crc = writes ? zero::io::file_crc32c(staging / own) : 0;
@@ -87,6 +90,7 @@ void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::Sha
     manifest.step = step;
     manifest.world_size = files;
     manifest.data_position = sampler.to_metadata();
+    manifest.data_position.insert(schedule.begin(), schedule.end());
     manifest.seed = static_cast<std::uint64_t>(c.seed);  // noise and timesteps derive from (seed, step)
     manifest.config = c.to_toml();
     for (int r = 0; r < files; ++r) {
@@ -129,7 +133,8 @@ zero::io::CheckpointManifest checked_manifest(const TrainConfig& c, const fs::pa
 
 }  // namespace
 
-Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm) {
+Resumed maybe_resume(const TrainConfig& c, const data::EpochSchedule& schedule, zero::adapter::ShardedModel& model,
+                     zero::Communicator& comm) {
   if (c.resume.empty()) return {};
   fs::path dir = c.resume;
   std::vector<zero::io::CheckpointFolder> older;  // complete ones before the newest, for --resume latest
@@ -154,8 +159,14 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
     ZERO_THROW(zero::IoError, e.message(), ". The newest checkpoint is damaged; an older complete one is ",
                previous.string(), " (step ", older.back().step, "): resume from it with --resume ", previous.string());
   }
-  ZERO_CHECK(manifest.step <= c.steps, "resume: ", dir.string(), " is at step ", manifest.step, ", beyond --steps ",
-             c.steps, " ([train] steps): nothing to train, and the export would be the checkpoint's model. Set "
+  check_resumed_schedule(c, schedule, manifest.data_position, dir.string());
+  const std::int64_t total_steps = run_length(c, schedule);
+  if (c.epochs > 0)
+    ZERO_CHECK(manifest.step <= total_steps, "resume: ", dir.string(), " is at step ", manifest.step, ", beyond --epochs ",
+               c.epochs, " ([train] epochs, ", total_steps, " steps): nothing to train, and the export would be the "
+               "checkpoint's model. Set more --epochs to train on from it");
+  ZERO_CHECK(manifest.step <= total_steps, "resume: ", dir.string(), " is at step ", manifest.step, ", beyond --steps ",
+             total_steps, " ([train] steps): nothing to train, and the export would be the checkpoint's model. Set "
              "--steps above ", manifest.step, " to train on from it");
   const int old_world = manifest.world_size;
   const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
@@ -174,6 +185,7 @@ Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, z
   Resumed r;
   r.step = manifest.step;
   r.folder = dir;
+  r.data_position = manifest.data_position;
   const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::open(shard);
   r.sampler = data::SamplerState::from_metadata(file.metadata());
   return r;

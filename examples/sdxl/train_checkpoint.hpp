@@ -10,8 +10,11 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <string>
 
+#include "data/epoch_schedule.hpp"
 #include "data/sampler.hpp"
 #include "train_config.hpp"
 #include "zero/comm/mpi_communicator.hpp"
@@ -23,13 +26,17 @@ namespace sdxl {
 /// writes the manifest (with each file's checksum), moves the folder into
 /// place (replacing an older save of the same step only then) and drops
 /// checkpoints beyond keep_checkpoints.
+/// `schedule` (train_epochs.hpp schedule_metadata) goes into the manifest's
+/// data_position and every shard's metadata next to the sampler's state.
 void save_checkpoint(const TrainConfig& c, std::int64_t step, zero::adapter::ShardedModel& model,
-                     zero::Communicator& comm, const data::SamplerState& sampler, zero::MpiCommunicator& host);
+                     zero::Communicator& comm, const data::SamplerState& sampler,
+                     const std::map<std::string, std::string>& schedule, zero::MpiCommunicator& host);
 
 /// Where a resumed run picks up: the step done and the data position.
 struct Resumed {
   std::int64_t step = 0;
   std::optional<data::SamplerState> sampler;
+  std::map<std::string, std::string> data_position;  // the manifest's: sampler and schedule records
   std::filesystem::path folder;  // empty when starting fresh
 };
 
@@ -38,9 +45,13 @@ struct Resumed {
 /// checkpoint folder. Before the engine loads: the manifest lists checksums
 /// (or accept_unchecksummed_checkpoint), sizes and CRCs match, the manifest
 /// agrees with the shards' own metadata (its step above all), and the step
-/// is not beyond `steps`. A damaged newest checkpoint names the older
-/// complete one to resume from. Prints nothing on success: the caller says
-/// "resumed" once the data position is restored too.
-Resumed maybe_resume(const TrainConfig& c, zero::adapter::ShardedModel& model, zero::Communicator& comm);
+/// counts the run's length as this one and its epochs end on the same steps
+/// (check_resumed_schedule), and the step is not beyond the run's length
+/// (run_length: steps, or what epochs come to with `schedule`). A damaged
+/// newest checkpoint names the older complete one to resume from. Prints
+/// nothing on success: the caller says "resumed" once the data position is
+/// restored too.
+Resumed maybe_resume(const TrainConfig& c, const data::EpochSchedule& schedule, zero::adapter::ShardedModel& model,
+                     zero::Communicator& comm);
 
 }  // namespace sdxl

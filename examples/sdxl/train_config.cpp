@@ -212,7 +212,11 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"data", "synthetic_samples", &c.synthetic_samples, "number of synthetic samples"},
       {"data", "latent_size", &c.latent_size, "synthetic latent height and width (image size / 8)"},
       {"data", "text_length", &c.text_length, "synthetic text-embedding length in tokens"},
-      {"train", "steps", &c.steps, "optimizer steps to train for"},
+      {"train", "steps", &c.steps,
+       "optimizer steps to train for; 0 with epochs (given epochs alone, steps is 0)"},
+      {"train", "epochs", &c.epochs,
+       "train for this many passes over the dataset instead of steps (one pass: the sampler's global batches of "
+       "batch_size x ranks, leftovers of a bucket dropped; accumulation of them per step); 0: steps"},
       {"train", "batch_size", &c.batch_size, "samples per rank and micro-step"},
       {"train", "accumulation", &c.accumulation, "micro-steps per optimizer step"},
       {"train", "precision", &c.precision, "fp32, bf16, or fp16 (dynamic loss scaling)"},
@@ -253,6 +257,11 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
       {"output", "log_every", &c.log_every, "steps between log lines"},
       {"output", "checkpoint_every", &c.checkpoint_every, "steps between checkpoints (0: at the end only)"},
+      {"output", "checkpoint_every_epochs", &c.checkpoint_every_epochs,
+       "checkpoint at the step that completes every this many epochs (0: off; with checkpoint_every, both)"},
+      {"output", "export_every_epochs", &c.export_every_epochs,
+       "export the UNet (as at the end) to output_dir/exports/epoch-NNNNNN at the step that completes every this many "
+       "epochs (0: off)"},
       {"output", "keep_checkpoints", &c.keep_checkpoints, "checkpoints kept (older ones are deleted)"},
       {"output", "resume", &c.resume, "\"latest\" or a checkpoint folder to resume from"},
       {"output", "overwrite", &c.overwrite,
@@ -454,6 +463,15 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
   }
 }
 
+// Given epochs alone (in the file or on the command line), the run is as
+// long as they say: the default of steps does not apply. Both given is an
+// error of validate(), naming both.
+void length_from_epochs(TrainConfig& config, bool steps_given) {
+  if (config.epochs > 0 && !steps_given) config.steps = 0;
+}
+
+bool file_sets(const toml::table& root, const char* path) { return root.at_path(path).node() != nullptr; }
+
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -492,7 +510,14 @@ void TrainConfig::validate() const {
              "SDXL trains at 128), got ", latent_size);
   ZERO_CHECK(text_length >= 1 && text_length <= kMaxTextLength, "text_length ([data]) must be in [1, ", kMaxTextLength,
              "] tokens, got ", text_length);
-  ZERO_CHECK(steps >= 1, "steps must be >= 1, got ", steps);
+  ZERO_CHECK(steps >= 0 && epochs >= 0, "[train] steps and epochs must be >= 0, got steps = ", steps, ", epochs = ",
+             epochs);
+  ZERO_CHECK(steps == 0 || epochs == 0, "[train] steps = ", steps, " and [train] epochs = ", epochs,
+             " are both set: the run's length is one or the other; set the unused one to 0 (e.g. --steps 0 --epochs ",
+             epochs, ")");
+  ZERO_CHECK(steps > 0 || epochs > 0, "[train] steps and [train] epochs are both 0: set one of them to the run's length");
+  // An epoch holds at least one step, and a step is below 2^63: bounded before the dataset is opened.
+  ZERO_CHECK(epochs <= (std::int64_t{1} << 40), "[train] epochs must be at most 2^40, got ", epochs);
   ZERO_CHECK(batch_size >= 1 && batch_size <= kMaxBatchSize, "batch_size ([train]) must be in [1, ", kMaxBatchSize,
              "] samples per rank and micro-step (accumulation multiplies it without the memory), got ", batch_size);
   ZERO_CHECK(accumulation >= 1, "accumulation must be >= 1, got ", accumulation);
@@ -503,7 +528,6 @@ void TrainConfig::validate() const {
   one_of(optimizer, {"adamw", "lion", "sgd"}, "optimizer");
   ZERO_CHECK(lr > 0 && std::isfinite(lr), "lr must be > 0, got ", lr);
   one_of(lr_schedule, {"constant", "linear", "cosine"}, "lr_schedule");
-  ZERO_CHECK(warmup_steps >= 0 && warmup_steps <= steps, "warmup_steps must be in [0, steps], got ", warmup_steps);
   ZERO_CHECK(beta1 >= 0 && beta1 < 1, "beta1 must be in [0, 1), got ", beta1);
   ZERO_CHECK(beta2 >= 0 && beta2 < 1, "beta2 must be in [0, 1), got ", beta2);
   ZERO_CHECK(eps > 0, "eps must be > 0, got ", eps);
@@ -548,19 +572,33 @@ void TrainConfig::validate() const {
     ZERO_CHECK(!activation_checkpointing, "cuda_graph does not work with activation_checkpointing yet");
     ZERO_CHECK(precision != "fp16", "cuda_graph needs precision bf16 or fp32 (fp16's loss scale changes between steps)");
   }
-  ZERO_CHECK(profile_step >= 0 && profile_step <= steps, "profile_step must be in [0, steps] (0: off), got ",
-             profile_step);
   ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");
   ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
   ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);
   ZERO_CHECK(keep_checkpoints >= 1, "keep_checkpoints must be >= 1, got ", keep_checkpoints);
-  ZERO_CHECK(stop_after >= 0 && stop_after <= steps, "stop_after must be in [0, steps], got ", stop_after);
+  ZERO_CHECK(checkpoint_every_epochs >= 0, "checkpoint_every_epochs ([output]) must be >= 0, got ",
+             checkpoint_every_epochs);
+  ZERO_CHECK(export_every_epochs >= 0, "export_every_epochs ([output]) must be >= 0, got ", export_every_epochs);
   one_of(device, {"cpu", "cuda"}, "device");
   one_of(export_dtype, {"fp32", "bf16", "fp16"}, "export_dtype");
   one_of(export_full_checkpoint_unet, {"auto", "ema", "trained"}, "export_full_checkpoint_unet");
   ZERO_CHECK(export_full_checkpoint_unet != "ema" || ema_decay > 0,
              "export_full_checkpoint_unet = \"ema\" needs an EMA ([optimizer] ema_decay > 0)");
+  // With epochs the upper bounds wait for the dataset (validate_length again then).
+  validate_length(epochs == 0 ? steps : std::numeric_limits<std::int64_t>::max());
+}
+
+void TrainConfig::validate_length(std::int64_t total_steps) const {
+  // With epochs the bound is what they come to, said in the message.
+  const std::string bound = epochs > 0 && total_steps < std::numeric_limits<std::int64_t>::max() ? "[0, " + std::to_string(total_steps) + "] (epochs = " + std::to_string(epochs) +
+                                             " is " + std::to_string(total_steps) + " steps)"
+                                       : std::string("[0, steps]");
+  ZERO_CHECK(warmup_steps >= 0 && warmup_steps <= total_steps, "warmup_steps must be in ", bound, ", got ",
+             warmup_steps);
+  ZERO_CHECK(profile_step >= 0 && profile_step <= total_steps, "profile_step must be in ", bound, " (0: off), got ",
+             profile_step);
+  ZERO_CHECK(stop_after >= 0 && stop_after <= total_steps, "stop_after must be in ", bound, ", got ", stop_after);
 }
 
 std::string TrainConfig::to_toml() const {
@@ -625,6 +663,7 @@ TrainConfig train_config_from_toml(const std::string& text, const std::string& o
   check_config_bounds(text, origin);
   root = parse_toml(text, origin);
   apply_toml(config, root, origin);
+  length_from_epochs(config, file_sets(root, "train.steps"));
   config.validate();
   return config;
 }
@@ -671,16 +710,22 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
     ZERO_THROW(zero::InvalidArgument, "command line: ", e.what(), " (see --help)");
   }
   config = TrainConfig{};
+  bool steps_given = false;
   if (!config_path.empty()) {
     const std::string text = read_config_text(config_path);
     check_config_bounds(text, config_path);
     toml::table root;
     root = parse_toml(text, config_path);
     apply_toml(config, root, config_path);
+    steps_given = file_sets(root, "train.steps");
   }
   auto options = options_of(config);
   for (std::size_t i = 0; i < options.size(); ++i)
-    if (handles[i]->count() > 0) set_from_text(options[i], overrides[i]);
+    if (handles[i]->count() > 0) {
+      set_from_text(options[i], overrides[i]);
+      if (std::string(options[i].table) == "train" && std::string(options[i].key) == "steps") steps_given = true;
+    }
+  length_from_epochs(config, steps_given);
   if (freeze_option->count() > 0) {
     config.freeze.clear();
     for (const std::string& p : freeze_patterns)

@@ -36,8 +36,9 @@ struct TrainConfig {
   std::int64_t synthetic_samples = 512;
   std::int64_t latent_size = 16;       // synthetic: latent height and width (image size / 8)
   std::int64_t text_length = 77;       // synthetic: tokens of the text embedding
-  // [train]
-  std::int64_t steps = 100;
+  // [train]: the run's length is steps or epochs, exactly one of them (the other 0)
+  std::int64_t steps = 100;            // optimizer steps; 0 with epochs > 0 (set implicitly when only epochs is given)
+  std::int64_t epochs = 0;             // passes of the sampler over the dataset (data/epoch_schedule.hpp); 0: steps
   std::int64_t batch_size = 1;         // per rank and micro-step
   std::int64_t accumulation = 1;
   std::string precision = "bf16";      // fp32, bf16, fp16 (with loss scaling)
@@ -81,6 +82,8 @@ struct TrainConfig {
   std::string output_dir = "runs/sdxl";
   std::int64_t log_every = 1;
   std::int64_t checkpoint_every = 0;   // 0: only at the end
+  std::int64_t checkpoint_every_epochs = 0;  // checkpoint at the step that completes epoch K, 2K, ... (0: off)
+  std::int64_t export_every_epochs = 0;      // export to output_dir/exports/epoch-N at those steps (0: off)
   std::int64_t keep_checkpoints = 2;
   std::string resume;                  // "", "latest", or a checkpoint folder
   /// Start afresh in an output_dir that holds another run (its checkpoints,
@@ -112,7 +115,14 @@ struct TrainConfig {
   std::int64_t profile_step = 0;       // write a Kineto trace of this step to output_dir (CUDA; 0: off)
 
   /// Throws zero::InvalidArgument naming the first key that is out of range.
+  /// With epochs the options bounded by the run's length in steps are
+  /// checked by validate_length() once that length is known.
   void validate() const;
+  /// The options bounded by the run's length (warmup_steps, stop_after,
+  /// profile_step) against `total_steps`: steps, or what epochs come to.
+  void validate_length(std::int64_t total_steps) const;
+  /// Whether any option counts epochs (epochs, checkpoint_every_epochs, export_every_epochs).
+  bool uses_epochs() const { return epochs > 0 || checkpoint_every_epochs > 0 || export_every_epochs > 0; }
   /// TOML text of every option (what was used), for logs and checkpoints.
   std::string to_toml() const;
 };

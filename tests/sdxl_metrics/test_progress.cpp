@@ -80,6 +80,11 @@ TEST_CASE("format_progress: the documented line") {
   CHECK(format_progress(example(), 2710.0) ==
         "step 120/1000 [#.........] 12% | loss 0.1234 (ema 0.1301) | lr 1.00e-05 | 3.21 img/s | "
         "mem 21.3/20.9 GiB max/min | ETA 00:45:10");
+  Progress with_epoch = example();
+  with_epoch.epoch = 2.4;
+  CHECK(format_progress(with_epoch, 2710.0) ==
+        "step 120/1000 [#.........] 12% | epoch 2.40 | loss 0.1234 (ema 0.1301) | lr 1.00e-05 | 3.21 img/s | "
+        "mem 21.3/20.9 GiB max/min | ETA 00:45:10");
   Progress done = example();
   done.step = 1000;
   CHECK(format_progress(done, 0.0).rfind("step 1000/1000 [##########] 100% |", 0) == 0);

@@ -85,7 +85,8 @@ std::string format_progress(const Progress& p, std::optional<double> eta_s, int 
 
   // 0.0/0.0 is a NaN with the sign bit set on x86, which printf shows as
   // "-nan"; a diverged loss reads the same whichever NaN it is.
-  std::string tail = std::isnan(p.loss) ? std::string(" | loss nan") : printf_string(" | loss %.4f", p.loss);
+  std::string tail = std::isfinite(p.epoch) ? printf_string(" | epoch %.2f", p.epoch) : std::string();
+  tail += std::isnan(p.loss) ? std::string(" | loss nan") : printf_string(" | loss %.4f", p.loss);
   if (std::isfinite(p.loss_ema)) tail += printf_string(" (ema %.4f)", p.loss_ema);
   if (std::isfinite(p.lr)) tail += printf_string(" | lr %.2e", p.lr);
   if (std::isfinite(p.images_per_s)) tail += printf_string(" | %.2f img/s", p.images_per_s);

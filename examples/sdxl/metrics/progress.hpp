@@ -1,8 +1,8 @@
 // The rank-0 progress line and the exponential moving average behind its
 // smoothed loss and ETA:
-//   step 120/1000 [#.........] 12% | loss 0.1234 (ema 0.1301) | lr 1.00e-05 |
-//   3.21 img/s | mem 21.3/20.9 GiB max/min | fwd+bwd 0.910-1.204 s, wait
-//   0.012-0.301 s, opt 0.100-0.104 s, slowest rank 3 | ETA 00:45:10
+//   step 120/1000 [#.........] 12% | epoch 2.40 | loss 0.1234 (ema 0.1301) |
+//   lr 1.00e-05 | 3.21 img/s | mem 21.3/20.9 GiB max/min | fwd+bwd 0.910-1.204 s,
+//   wait 0.012-0.301 s, opt 0.100-0.104 s, slowest rank 3 | ETA 00:45:10
 #pragma once
 
 #include <cstdint>
@@ -49,6 +49,7 @@ struct Progress {
   std::int64_t step = 0;         ///< optimizer steps completed
   std::int64_t total_steps = 0;  ///< 0: unknown, no bar and no ETA
   std::int64_t start_step = 0;   ///< the step this run started (resumed) at
+  double epoch = std::numeric_limits<double>::quiet_NaN();  ///< epochs done, with the fraction of the current one
   double loss = std::numeric_limits<double>::quiet_NaN();
   double loss_ema = std::numeric_limits<double>::quiet_NaN();
   double lr = std::numeric_limits<double>::quiet_NaN();

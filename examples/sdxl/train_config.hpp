@@ -36,6 +36,9 @@ struct TrainConfig {
   std::int64_t synthetic_samples = 512;
   std::int64_t latent_size = 16;       // synthetic: latent height and width (image size / 8)
   std::int64_t text_length = 77;       // synthetic: tokens of the text embedding
+  // Probability that a sample's text conditioning is replaced by the
+  // dataset's empty-prompt one (prompt embeds and pooled; time ids kept).
+  double caption_dropout = 0;
   // [train]
   std::int64_t steps = 100;
   std::int64_t batch_size = 1;         // per rank and micro-step

@@ -50,6 +50,10 @@ from pathlib import Path
 
 FORMAT_NAME = "zero-sdxl-cached-latents"
 FORMAT_VERSION = 1
+# Version 2 adds the optional "empty_prompt" entry; written only with it, so
+# datasets without one stay version 1.
+FORMAT_VERSION_EMPTY_PROMPT = 2
+EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
 LATENT_CHANNELS = 4
 SDXL_VAE_SCALING_FACTOR = 0.13025
 VAE_DOWNSAMPLE = 8
@@ -139,6 +143,7 @@ class DatasetWriter:
     records: list = field(default_factory=list)
     pending: list = field(default_factory=list)
     pending_samples: int = 0
+    empty_prompt: dict = None  # {"file", "size", "sha256"} once set_empty_prompt wrote it
 
     def __post_init__(self):
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -170,6 +175,20 @@ class DatasetWriter:
         if self.pending_samples == self.samples_per_shard:
             self.flush()
 
+    def set_empty_prompt(self, prompt_embeds, pooled):
+        """The conditioning of the empty prompt "" (for the trainer's caption
+        dropout): (dtype, shape, bytes) triples in the dataset's text dims,
+        written at once as empty_prompt.safetensors (named by finish())."""
+        if tuple(prompt_embeds[1]) != (self.text_dims["sequence_length"], self.text_dims["width"]):
+            raise ValueError(f"empty prompt_embeds shape {prompt_embeds[1]} differs from {self.text_dims}")
+        if tuple(pooled[1]) != (self.text_dims["pooled_width"],):
+            raise ValueError(f"empty pooled shape {pooled[1]} differs from {self.text_dims}")
+        path = self.directory / EMPTY_PROMPT_FILE
+        tensors = [("prompt_embeds", prompt_embeds[0], tuple(prompt_embeds[1]), prompt_embeds[2]),
+                   ("pooled_prompt_embeds", pooled[0], tuple(pooled[1]), pooled[2])]
+        sha256 = write_atomically(path, safetensors_chunks(tensors, {"format": FORMAT_NAME}))
+        self.empty_prompt = {"file": EMPTY_PROMPT_FILE, "size": path.stat().st_size, "sha256": sha256}
+
     def flush(self):
         if not self.pending_samples:
             return
@@ -187,10 +206,14 @@ class DatasetWriter:
         lines = [
             "{",
             f'  "format": {json.dumps(FORMAT_NAME)},',
-            f'  "version": {FORMAT_VERSION},',
+            f'  "version": {FORMAT_VERSION_EMPTY_PROMPT if self.empty_prompt else FORMAT_VERSION},',
             f'  "latent_channels": {LATENT_CHANNELS},',
             f'  "vae_scaling_factor": {json.dumps(self.vae_scaling_factor)},',
             f'  "text": {json.dumps(self.text_dims)},',
+        ]
+        if self.empty_prompt:
+            lines.append(f'  "empty_prompt": {json.dumps(self.empty_prompt)},')
+        lines += [
             f'  "num_samples": {len(self.records)},',
             '  "shards": [',
             ",\n".join("    " + json.dumps(s) for s in self.shards),
@@ -409,6 +432,10 @@ def main(argv=None) -> int:
     encoders = Encoders(args)
     writer = DatasetWriter(args.output, {"sequence_length": 77, "width": 2048, "pooled_width": 1280},
                            args.samples_per_shard, encoders.scaling_factor, args.overwrite)
+    # What the encoders give for "": the trainer's caption dropout
+    # ([data] caption_dropout) trains on it in place of a sample's caption.
+    empty_embeds, empty_pooled = encoders.encode_captions([""])
+    writer.set_empty_prompt(tensor_entry(empty_embeds[0], args.text_dtype), tensor_entry(empty_pooled[0], args.text_dtype))
     done = 0
     for bucket in sorted(by_bucket):
         group = by_bucket[bucket]

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -334,6 +335,8 @@ struct TrainData {
   std::map<std::string, std::string> schedule_record;  // saved with every checkpoint (schedule_metadata)
   Resumed resumed;  // the step and data position a resumed run starts from
   std::unique_ptr<data::PrefetchingLoader> loader;
+  // The dataset's empty-prompt conditioning, kept when caption_dropout > 0.
+  std::optional<data::EmptyPrompt> empty_prompt;
 };
 
 /// The dataset (synthetic or cached), each rank's sampler, the run's length
@@ -356,6 +359,15 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
     d.text.sequence_length = dataset->text_dims().sequence_length;
   }
   data::check_text_dims(*dataset, d.text);
+  if (cfg.caption_dropout > 0) {
+    const data::EmptyPrompt* empty = dataset->empty_prompt();
+    ZERO_CHECK(empty != nullptr, "caption_dropout ([data], --caption_dropout) = ", cfg.caption_dropout,
+               " needs the empty prompt's text conditioning, but the dataset '", cfg.dataset, "' has no ",
+               data::kEmptyPromptFileName, " (index.json names none: a dataset of format version 1); write it with ",
+               "tools/prepare_dataset.py (it caches the empty prompt) or CachedDatasetWriter::set_empty_prompt, or set ",
+               "caption_dropout = 0");
+    d.empty_prompt = *empty;
+  }
   data::DistributedBucketSampler sampler(*dataset, {.batch_size = static_cast<std::size_t>(cfg.batch_size),
                                                      .world_size = host_comm.size(),
                                                      .rank = host_comm.rank(),
@@ -439,12 +451,33 @@ struct StepLoop {
   const Clock::time_point start;
   data::SamplerState sampler_state;  // the data position a checkpoint saves
   std::int64_t nonfinite_in_a_row = 0;
+  std::int64_t captions_dropped = 0;  // by this rank in the current step (caption_dropout)
   // [device] cuda_graph: the first step of this process runs eagerly (cuDNN's
   // algorithm search, cuBLAS handles and workspaces), the second is
   // captured, and every step from there replays it.
   std::int64_t eager_steps_done = 0;
   GraphedMicroStep graphed;
 };
+
+/// Caption dropout: replaces the text conditioning (prompt embeds and pooled)
+/// of the batch's dropped samples by the empty prompt's, in place; time ids
+/// stay the sample's. Returns how many were dropped.
+std::int64_t drop_captions(const TrainConfig& cfg, const data::EmptyPrompt& empty, data::Batch& batch,
+                           std::int64_t step, std::int64_t micro) {
+  std::int64_t dropped = 0;
+  const std::size_t embeds = empty.prompt_embeds.size();
+  const std::size_t pooled = empty.pooled_prompt_embeds.size();
+  for (std::size_t b = 0; b < batch.size(); ++b) {
+    if (!data::drop_caption(static_cast<std::uint64_t>(cfg.seed), step, micro, batch.indices[b], cfg.caption_dropout))
+      continue;
+    std::copy(empty.prompt_embeds.begin(), empty.prompt_embeds.end(),
+              batch.prompt_embeds.begin() + static_cast<std::ptrdiff_t>(b * embeds));
+    std::copy(empty.pooled_prompt_embeds.begin(), empty.pooled_prompt_embeds.end(),
+              batch.pooled_prompt_embeds.begin() + static_cast<std::ptrdiff_t>(b * pooled));
+    ++dropped;
+  }
+  return dropped;
+}
 
 /// Forward and backward of one micro-step on the next batch; returns its loss.
 double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t micro) {
@@ -458,6 +491,7 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   data::Batch batch = run.data.loader->next();
   loop.sampler_state = batch.state_after;
   seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
+  if (run.data.empty_prompt) loop.captions_dropped += drop_captions(cfg, *run.data.empty_prompt, batch, step, micro);
   torch::Tensor latents = tensor_of(batch.latents, batch.latents_shape);
   torch::Tensor prompt = tensor_of(batch.prompt_embeds, batch.prompt_embeds_shape);
   torch::Tensor pooled = tensor_of(batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
@@ -531,6 +565,7 @@ struct StepMeasures {
   std::int64_t done = 0;  // steps done, 1-based as logged
   double loss = 0, lr = 0, images_per_s = 0;
   double mem_max_bytes = 0, mem_min_bytes = 0;
+  std::int64_t captions_dropped = 0;  // over all ranks and micro-steps
   zero::StepResult result;
   Clock::time_point step_start, step_call;
   double step_call_seconds = 0;
@@ -556,6 +591,7 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
   // Where a step's time goes (rank 0): forward/backward until the last
   // loss is read back, the host time of step() (with offload: the CPU
   // update, of which the gradient statistics and the update loop).
+  if (cfg.caption_dropout > 0) record.extra["data/captions_dropped"] = static_cast<double>(m.captions_dropped);
   record.extra["timing/fwd_bwd_s"] = seconds_between(m.step_start, m.step_call);
   record.extra["timing/step_call_s"] = m.step_call_seconds;
   // Load imbalance: each phase's min/max over ranks, waits for collectives
@@ -650,6 +686,7 @@ StepsEnd train_steps(Run& run) {
     m.lr = loop.lr_scale * learning_rate(cfg.lr_schedule, cfg.lr, step, cfg.warmup_steps, steps);
     sharded.engine().set_lr(m.lr);
     double loss_sum = 0;
+    loop.captions_dropped = 0;
     for (std::int64_t micro = 0; micro < cfg.accumulation; ++micro)
       loss_sum += with_torch_errors(
           "step " + std::to_string(step + 1) + ": forward and backward of batch_size " +
@@ -665,8 +702,10 @@ StepsEnd train_steps(Run& run) {
     m.step_call_seconds = seconds_between(m.step_call, Clock::now());
     const double waited_in_step = engine.comm_wait_seconds() - waited_before - waited_in_fwd_bwd;
     count_skipped_step(run, loop, m.result, step);
-    double stats[2] = {loss_sum / static_cast<double>(cfg.accumulation), 0};
-    run.host_comm.all_reduce_host_f64(stats, 1, zero::ReduceOp::avg);
+    // The dropped-caption count rides along the loss's reduction (avg x
+    // world = the sum over ranks): no extra collective.
+    double stats[2] = {loss_sum / static_cast<double>(cfg.accumulation), static_cast<double>(loop.captions_dropped)};
+    run.host_comm.all_reduce_host_f64(stats, 2, zero::ReduceOp::avg);
     if (profiling) {
       run.runtime.synchronize();  // the step's optimizer kernels are in the trace
       const fs::path trace = fs::path(cfg.output_dir) / ("profile-step-" + std::to_string(step + 1) + ".json");
@@ -690,6 +729,7 @@ StepsEnd train_steps(Run& run) {
     m.mem_max_bytes = maxima[0];
     m.mem_min_bytes = minimum;
     m.loss = stats[0];
+    m.captions_dropped = std::llround(stats[1] * run.world);
     run.metrics.loss_ema.update(m.loss);
     m.done = step + 1;
     if (run.leader) record_step(run, loop, m);

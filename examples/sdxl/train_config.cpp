@@ -212,6 +212,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"data", "synthetic_samples", &c.synthetic_samples, "number of synthetic samples"},
       {"data", "latent_size", &c.latent_size, "synthetic latent height and width (image size / 8)"},
       {"data", "text_length", &c.text_length, "synthetic text-embedding length in tokens"},
+      {"data", "caption_dropout", &c.caption_dropout,
+       "probability that a sample trains on the dataset's empty-prompt conditioning (0: off)"},
       {"train", "steps", &c.steps,
        "optimizer steps to train for; 0 with epochs (given epochs alone, steps is 0)"},
       {"train", "epochs", &c.epochs,
@@ -525,6 +527,8 @@ void TrainConfig::validate() const {
   one_of(prediction, {"epsilon", "v_prediction"}, "prediction");
   ZERO_CHECK(min_snr_gamma >= 0 && std::isfinite(min_snr_gamma), "min_snr_gamma must be >= 0, got ", min_snr_gamma);
   ZERO_CHECK(noise_offset >= 0 && noise_offset < 1, "noise_offset must be in [0, 1), got ", noise_offset);
+  ZERO_CHECK(caption_dropout >= 0 && caption_dropout <= 1, "caption_dropout ([data]) must be in [0, 1], got ",
+             caption_dropout);
   one_of(optimizer, {"adamw", "lion", "sgd"}, "optimizer");
   ZERO_CHECK(lr > 0 && std::isfinite(lr), "lr must be > 0, got ", lr);
   one_of(lr_schedule, {"constant", "linear", "cosine"}, "lr_schedule");

@@ -36,6 +36,9 @@ struct TrainConfig {
   std::int64_t synthetic_samples = 512;
   std::int64_t latent_size = 16;       // synthetic: latent height and width (image size / 8)
   std::int64_t text_length = 77;       // synthetic: tokens of the text embedding
+  // Probability that a sample's text conditioning is replaced by the
+  // dataset's empty-prompt one (prompt embeds and pooled; time ids kept).
+  double caption_dropout = 0;
   // [train]: the run's length is steps or epochs, exactly one of them (the other 0)
   std::int64_t steps = 100;            // optimizer steps; 0 with epochs > 0 (set implicitly when only epochs is given)
   std::int64_t epochs = 0;             // passes of the sampler over the dataset (data/epoch_schedule.hpp); 0: steps

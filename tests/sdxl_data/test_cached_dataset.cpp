@@ -316,7 +316,8 @@ TEST_CASE("cached dataset: every corruption is an IoError naming the file") {
   SUBCASE("wrong types and unknown format or version") {
     for (const auto& [pointer, value] : std::vector<std::pair<std::string, Json>>{
              {"/format", "something-else"},
-             {"/version", 2},
+             {"/version", 3},
+             {"/version", 0},
              {"/samples/0/key", 5},
              {"/samples/0/crop_top_left", Json::array({-1, 0})},
              {"/shards/0/file", "../elsewhere.safetensors"},
@@ -376,4 +377,118 @@ TEST_CASE("cached dataset: a shard that changes on disk after open is an IoError
     CHECK(dataset->sample(5).latents == before.latents);
     CHECK(dataset->sample(5).prompt_embeds == before.prompt_embeds);
   }
+}
+
+TEST_CASE("cached dataset: the optional empty prompt (format version 2) round trip and refusals") {
+  TempDir dir;
+  const auto& d = dir.path();
+  SUBCASE("a dataset without it stays version 1 and has none") {
+    TempDir old;
+    write_dataset(old.path(), 3, small_options(), 5);
+    CHECK(read_json(old.path() / kIndexFileName)["version"] == 1);
+    CHECK_FALSE(read_json(old.path() / kIndexFileName).contains("empty_prompt"));
+    CHECK_FALSE(std::filesystem::exists(old.path() / kEmptyPromptFileName));
+    CHECK(CachedDataset::open(old.path())->empty_prompt() == nullptr);
+  }
+
+  std::mt19937_64 rng(11);
+  const Sample reference = random_sample(rng, {8, 8}, kText, "");
+  const EmptyPrompt empty{reference.prompt_embeds, reference.pooled_prompt_embeds};
+  {
+    CachedDatasetWriter writer(d, small_options());
+    for (std::size_t i = 0; i < 5; ++i) writer.add(random_sample(rng, {8, 8}, kText, "x"));
+    CHECK_THROWS_AS(writer.set_empty_prompt(EmptyPrompt{{1.0f}, empty.pooled_prompt_embeds}), zero::InvalidArgument);
+    writer.set_empty_prompt(empty);
+    writer.finish();
+  }
+  const Json index = read_json(d / kIndexFileName);
+  CHECK(index["version"] == 2);
+  CHECK(index["empty_prompt"]["file"] == kEmptyPromptFileName);
+  CHECK(index["empty_prompt"]["size"] == std::filesystem::file_size(d / kEmptyPromptFileName));
+
+  SUBCASE("round trip in the text dtype") {
+    auto opened = CachedDataset::open(d);
+    REQUIRE(opened->empty_prompt() != nullptr);
+    CHECK(opened->empty_prompt()->prompt_embeds == rounded(empty.prompt_embeds, zero::DType::fp16));
+    CHECK(opened->empty_prompt()->pooled_prompt_embeds == rounded(empty.pooled_prompt_embeds, zero::DType::fp16));
+    CHECK(opened->size() == 5);
+  }
+  SUBCASE("missing file") {
+    std::filesystem::remove(d / kEmptyPromptFileName);
+    expect_io_error(d, kEmptyPromptFileName, {"missing", "empty prompt"});
+  }
+  SUBCASE("truncated file") {
+    std::filesystem::resize_file(d / kEmptyPromptFileName, std::filesystem::file_size(d / kEmptyPromptFileName) - 8);
+    expect_io_error(d, kEmptyPromptFileName, {"truncated"});
+  }
+  SUBCASE("huge size recorded and present is refused before reading") {
+    std::filesystem::resize_file(d / kEmptyPromptFileName, 1 << 24);
+    Json edited = index;
+    edited["empty_prompt"]["size"] = 1 << 24;
+    write_json(d / kIndexFileName, edited);
+    expect_io_error(d, kEmptyPromptFileName, {"more than"});
+  }
+  auto rewrite = [&](const std::vector<zero::io::TensorView>& views) {
+    zero::io::write_safetensors(d / kEmptyPromptFileName, views);
+    Json edited = index;
+    edited["empty_prompt"]["size"] = std::filesystem::file_size(d / kEmptyPromptFileName);
+    write_json(d / kIndexFileName, edited);
+  };
+  const std::vector<float> wrong(kText.sequence_length * (kText.width + 1), 0.0f);
+  SUBCASE("wrong shape names the tensor and the text dims") {
+    rewrite({{"prompt_embeds", zero::io::TensorDType::F32, {kText.sequence_length, kText.width + 1}, wrong.data()},
+             {"pooled_prompt_embeds", zero::io::TensorDType::F32, {kText.pooled_width}, wrong.data()}});
+    expect_io_error(d, kEmptyPromptFileName, {"prompt_embeds", "[5,25]", "[5,24]"});
+  }
+  SUBCASE("a missing tensor") {
+    rewrite({{"prompt_embeds", zero::io::TensorDType::F32, {kText.sequence_length, kText.width}, wrong.data()}});
+    expect_io_error(d, kEmptyPromptFileName, {"expected 2"});
+  }
+  SUBCASE("a wrongly named tensor") {
+    rewrite({{"prompt_embeds", zero::io::TensorDType::F32, {kText.sequence_length, kText.width}, wrong.data()},
+             {"pooled", zero::io::TensorDType::F32, {kText.pooled_width}, wrong.data()}});
+    expect_io_error(d, kEmptyPromptFileName, {"pooled_prompt_embeds"});
+  }
+  SUBCASE("not safetensors") {
+    std::ofstream(d / kEmptyPromptFileName, std::ios::binary | std::ios::trunc) << "not a safetensors file at all";
+    Json edited = index;
+    edited["empty_prompt"]["size"] = std::filesystem::file_size(d / kEmptyPromptFileName);
+    write_json(d / kIndexFileName, edited);
+    expect_io_error(d, kEmptyPromptFileName);
+  }
+  SUBCASE("index entries") {
+    for (const auto& [pointer, value] : std::vector<std::pair<std::string, Json>>{
+             {"/empty_prompt/file", "../empty_prompt.safetensors"},
+             {"/empty_prompt/file", shard_file_name(0)},
+             {"/empty_prompt/size", -1},
+             {"/empty_prompt/size", "12"},
+             {"/empty_prompt", Json::array()},
+             {"/version", 1}}) {
+      CAPTURE(pointer);
+      Json edited = index;
+      edited[Json::json_pointer(pointer)] = value;
+      write_json(d / kIndexFileName, edited);
+      expect_io_error(d, "index.json");
+    }
+  }
+}
+
+TEST_CASE("caption dropout draw: deterministic per (seed, step, micro, sample), rate near p") {
+  CHECK_FALSE(drop_caption(1, 0, 0, 0, 0.0));
+  CHECK(drop_caption(1, 0, 0, 0, 1.0));
+  std::size_t dropped = 0, differ_by_seed = 0, differ_by_step = 0;
+  const std::size_t n = 20000;
+  for (std::size_t i = 0; i < n; ++i) {
+    const bool d = drop_caption(7, 3, 0, i, 0.25);
+    CHECK(d == drop_caption(7, 3, 0, i, 0.25));
+    dropped += d;
+    differ_by_seed += d != drop_caption(8, 3, 0, i, 0.25);
+    differ_by_step += d != drop_caption(7, 4, 0, i, 0.25);
+  }
+  // Binomial(20000, 0.25): sd ~61; 6 sd either side.
+  CHECK(dropped > 4630);
+  CHECK(dropped < 5370);
+  // Independent streams disagree on ~2 p (1 - p) = 37.5 % of the samples.
+  CHECK(differ_by_seed > 6000);
+  CHECK(differ_by_step > 6000);
 }

@@ -146,3 +146,20 @@ TEST_CASE("synthetic -> CachedDatasetWriter (fp32) -> CachedDataset reproduces t
     REQUIRE(a.caption == b.caption);
   }
 }
+
+TEST_CASE("synthetic: a deterministic empty prompt, unlike every caption's conditioning") {
+  const SyntheticDataset a(options(3)), b(options(3)), other_seed(options(4));
+  REQUIRE(a.empty_prompt() != nullptr);
+  const EmptyPrompt& empty = *a.empty_prompt();
+  const TextDims text = a.text_dims();
+  CHECK(empty.prompt_embeds.size() == static_cast<std::size_t>(text.sequence_length * text.width));
+  CHECK(empty.pooled_prompt_embeds.size() == static_cast<std::size_t>(text.pooled_width));
+  CHECK(empty.prompt_embeds == b.empty_prompt()->prompt_embeds);
+  CHECK(empty.pooled_prompt_embeds == b.empty_prompt()->pooled_prompt_embeds);
+  CHECK(empty.prompt_embeds != other_seed.empty_prompt()->prompt_embeds);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const Sample s = a.sample(i);
+    CHECK(s.prompt_embeds != empty.prompt_embeds);
+    CHECK(s.pooled_prompt_embeds != empty.pooled_prompt_embeds);
+  }
+}

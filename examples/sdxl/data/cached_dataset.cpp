@@ -251,9 +251,9 @@ CachedIndex parse_cached_index(std::string_view text, const std::filesystem::pat
   if (format != kCachedFormatName)
     SDXL_BAD_FILE(path, "format is '", format, "', expected '", kCachedFormatName, "'");
   const std::int64_t version = integer(member(index, "version", "index", path), "version", path, 1);
-  if (version != kCachedFormatVersion)
-    SDXL_BAD_FILE(path, "format version ", version, " is not supported (this reader reads version ",
-                  kCachedFormatVersion, ")");
+  if (version < kCachedFormatOldestVersion || version > kCachedFormatVersion)
+    SDXL_BAD_FILE(path, "format version ", version, " is not supported (this reader reads versions ",
+                  kCachedFormatOldestVersion, " to ", kCachedFormatVersion, ")");
   const std::int64_t channels =
       integer(member(index, "latent_channels", "index", path), "latent_channels", path, 1);
   if (channels != kLatentChannels)
@@ -272,6 +272,19 @@ CachedIndex parse_cached_index(std::string_view text, const std::filesystem::pat
 
   parsed.shards = read_shard_records(index, path);
   parsed.records = read_sample_records(index, parsed.shards, path);
+  if (auto it = index.find("empty_prompt"); it != index.end()) {
+    if (version < 2)
+      SDXL_BAD_FILE(path, "field 'empty_prompt' needs format version 2, the index says version ", version);
+    ShardRecord entry;
+    entry.file = string_field(member(*it, "file", "empty_prompt", path), "empty_prompt.file", path);
+    if (!is_plain_file_name(entry.file))
+      SDXL_BAD_FILE(path, "empty_prompt.file '", entry.file, "' must be a file name inside the dataset directory");
+    for (const ShardRecord& shard : parsed.shards)
+      if (shard.file == entry.file)
+        SDXL_BAD_FILE(path, "empty_prompt.file '", entry.file, "' is also listed as a shard");
+    entry.size = static_cast<std::uint64_t>(integer(member(*it, "size", "empty_prompt", path), "empty_prompt.size", path, 8));
+    parsed.empty_prompt = std::move(entry);
+  }
   return parsed;
 }
 
@@ -290,6 +303,51 @@ void CachedDataset::load_index() {
   vae_scaling_factor_ = parsed.vae_scaling_factor;
   shards_ = std::move(parsed.shards);
   records_ = std::move(parsed.records);
+  if (parsed.empty_prompt) load_empty_prompt(*parsed.empty_prompt);
+}
+
+void CachedDataset::load_empty_prompt(const ShardRecord& entry) {
+  const std::filesystem::path path = directory_ / entry.file;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error))
+    SDXL_BAD_FILE(path, "missing (index.json names it as the empty prompt's conditioning, ", entry.size,
+                  " bytes)");
+  const std::uint64_t size = std::filesystem::file_size(path, error);
+  if (error) SDXL_BAD_FILE(path, "cannot stat: ", error.message());
+  if (size != entry.size)
+    SDXL_BAD_FILE(path, "is ", size, " bytes but index.json records ", entry.size,
+                  " (truncated, or replaced after the index was written)");
+  // Bounded before reading: F32 values at most, plus room for the header.
+  const std::uint64_t most = 4 * static_cast<std::uint64_t>(text_dims_.sequence_length * text_dims_.width +
+                                                             text_dims_.pooled_width) + 65536;
+  if (size > most)
+    SDXL_BAD_FILE(path, "is ", size, " bytes, more than the ", most, " that the text dims ", text_dims_,
+                  " in F32 and a header need");
+  // Small (SDXL: 77 x 2048 + 1280 values): read whole, into memory, once.
+  std::ifstream in(path, std::ios::binary);
+  if (!in) SDXL_BAD_FILE(path, "cannot be read");
+  std::vector<std::byte> bytes(static_cast<std::size_t>(size));
+  in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
+  if (static_cast<std::uint64_t>(in.gcount()) != size)
+    SDXL_BAD_FILE(path, "read ", in.gcount(), " of ", size, " bytes (changed while being read)");
+  const zero::io::SafeTensorsFile file = zero::io::SafeTensorsFile::from_bytes(std::move(bytes), path.string());
+  if (file.tensors().size() != 2)
+    SDXL_BAD_FILE(path, "holds ", file.tensors().size(),
+                  " tensors, expected 2 (prompt_embeds and pooled_prompt_embeds)");
+  auto values = [&](const char* name, const std::vector<std::int64_t>& expected) {
+    const zero::io::TensorInfo* info = file.find(name);
+    if (!info) SDXL_BAD_FILE(path, "no tensor '", name, "'");
+    const std::optional<zero::DType> dtype = zero::io::to_dtype(info->dtype);
+    if (!dtype) SDXL_BAD_FILE(path, "tensor '", name, "' has dtype ", info->dtype, ", expected F16, BF16 or F32");
+    if (info->shape != expected)
+      SDXL_BAD_FILE(path, "tensor '", name, "' has shape ", shape_text(info->shape), ", expected ",
+                    shape_text(expected), " (the dataset's text dims, from index.json)");
+    return file.read_as_float32(name);
+  };
+  EmptyPrompt empty;
+  empty.prompt_embeds = values("prompt_embeds", {text_dims_.sequence_length, text_dims_.width});
+  empty.pooled_prompt_embeds = values("pooled_prompt_embeds", {text_dims_.pooled_width});
+  empty_prompt_ = std::move(empty);
 }
 
 void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members) {
@@ -564,17 +622,44 @@ void CachedDatasetWriter::flush_shard() {
   pending_samples_ = 0;
 }
 
+void CachedDatasetWriter::set_empty_prompt(const EmptyPrompt& empty) {
+  ZERO_CHECK(!finished_, "CachedDatasetWriter::set_empty_prompt after finish()");
+  const TextDims& text = options_.text_dims;
+  ZERO_CHECK(empty.prompt_embeds.size() == static_cast<std::size_t>(text.sequence_length * text.width) &&
+                 empty.pooled_prompt_embeds.size() == static_cast<std::size_t>(text.pooled_width),
+             "CachedDatasetWriter::set_empty_prompt: buffers of ", empty.prompt_embeds.size(), " and ",
+             empty.pooled_prompt_embeds.size(), " values do not match the writer's text dims ", text);
+  empty_prompt_ = empty;
+}
+
 std::size_t CachedDatasetWriter::finish() {
   ZERO_CHECK(!finished_, "CachedDatasetWriter::finish called twice");
   ZERO_CHECK(!records_.empty(), "CachedDatasetWriter::finish: no samples were added");
   flush_shard();
+  std::uint64_t empty_prompt_size = 0;
+  if (empty_prompt_) {
+    const TextDims& text = options_.text_dims;
+    const std::vector<std::byte> embeds = to_storage(empty_prompt_->prompt_embeds, options_.text_dtype);
+    const std::vector<std::byte> pooled = to_storage(empty_prompt_->pooled_prompt_embeds, options_.text_dtype);
+    const zero::io::TensorDType dtype = zero::io::to_tensor_dtype(options_.text_dtype);
+    const std::filesystem::path path = directory_ / kEmptyPromptFileName;
+    zero::io::write_safetensors(path,
+                                {{"prompt_embeds", dtype, {text.sequence_length, text.width}, embeds.data()},
+                                 {"pooled_prompt_embeds", dtype, {text.pooled_width}, pooled.data()}},
+                                {{"format", kCachedFormatName}});
+    std::error_code error;
+    empty_prompt_size = std::filesystem::file_size(path, error);
+    if (error) ZERO_THROW(zero::IoError, "cannot stat '", path.string(), "': ", error.message());
+  }
 
   // Pretty at the top, one line per sample: readable, and a million samples
   // do not turn into ten million lines.
   std::ostringstream out;
   out << "{\n";
   out << "  \"format\": " << Json(kCachedFormatName).dump() << ",\n";
-  out << "  \"version\": " << kCachedFormatVersion << ",\n";
+  // Version 1 unless the version-2 field is present: a dataset without an
+  // empty prompt stays readable by readers of version 1.
+  out << "  \"version\": " << (empty_prompt_ ? kCachedFormatVersion : kCachedFormatOldestVersion) << ",\n";
   out << "  \"latent_channels\": " << kLatentChannels << ",\n";
   out << "  \"vae_scaling_factor\": " << Json(options_.vae_scaling_factor).dump() << ",\n";
   out << "  \"text\": "
@@ -583,6 +668,9 @@ std::size_t CachedDatasetWriter::finish() {
               {"pooled_width", options_.text_dims.pooled_width}}
              .dump()
       << ",\n";
+  if (empty_prompt_)
+    out << "  \"empty_prompt\": " << Json{{"file", kEmptyPromptFileName}, {"size", empty_prompt_size}}.dump()
+        << ",\n";
   out << "  \"num_samples\": " << records_.size() << ",\n";
   out << "  \"shards\": [\n";
   for (std::size_t s = 0; s < shards_.size(); ++s) {

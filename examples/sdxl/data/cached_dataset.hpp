@@ -27,7 +27,14 @@ namespace sdxl::data {
 
 /// The `format` field of index.json, and the version this code reads and writes.
 inline constexpr const char* kCachedFormatName = "zero-sdxl-cached-latents";
-inline constexpr int kCachedFormatVersion = 1;
+/// Version 1: shards and samples. Version 2 adds the optional "empty_prompt"
+/// entry (written only when the dataset carries one, so datasets without it
+/// stay version 1 and readable by older readers). This reader reads both.
+inline constexpr int kCachedFormatVersion = 2;
+inline constexpr int kCachedFormatOldestVersion = 1;
+/// The file holding the empty prompt's conditioning (tensors prompt_embeds
+/// [seq, width] and pooled_prompt_embeds [pooled]), named in index.json.
+inline constexpr const char* kEmptyPromptFileName = "empty_prompt.safetensors";
 inline constexpr const char* kIndexFileName = "index.json";
 
 /// The per-sample record of index.json.
@@ -64,6 +71,8 @@ struct CachedIndex {
   double vae_scaling_factor = kSdxlVaeScalingFactor;
   std::vector<ShardRecord> shards;
   std::vector<SampleRecord> records;
+  /// index.json's optional "empty_prompt" (version 2): file and byte size.
+  std::optional<ShardRecord> empty_prompt;
 };
 
 /// Parses and validates the text of index.json (schema, shard names, sample
@@ -99,6 +108,7 @@ class CachedDataset final : public Dataset {
   LatentSize bucket_of(std::size_t i) const override;
   Sample sample(std::size_t i) const override;
   TextDims text_dims() const override { return text_dims_; }
+  const EmptyPrompt* empty_prompt() const override { return empty_prompt_ ? &*empty_prompt_ : nullptr; }
 
   const std::filesystem::path& directory() const noexcept { return directory_; }
   const SampleRecord& record(std::size_t i) const;
@@ -119,6 +129,7 @@ class CachedDataset final : public Dataset {
   };
 
   void load_index();
+  void load_empty_prompt(const ShardRecord& entry);
   void validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members);
   /// Throws IoError unless shard `shard` still has the size index.json records.
   void check_shard_size(std::size_t shard, std::size_t sample_index) const;
@@ -134,6 +145,7 @@ class CachedDataset final : public Dataset {
   std::vector<SampleRecord> records_;
   std::vector<SampleLocation> locations_;  // per sample, parallel to records_
   std::vector<int> shard_fds_;              // per shard, -1 until opened; closed by the destructor
+  std::optional<EmptyPrompt> empty_prompt_;
 };
 
 struct CachedDatasetWriterOptions {
@@ -180,6 +192,12 @@ class CachedDatasetWriter {
   /// for data generated at the bucket resolution.
   void add(const Sample& sample);
 
+  /// Records the empty prompt's conditioning (what the text encoders give for
+  /// ""), written by finish() as empty_prompt.safetensors in the text dtype;
+  /// the index then says version 2. Throws zero::InvalidArgument when the
+  /// buffers do not match the writer's text dims.
+  void set_empty_prompt(const EmptyPrompt& empty);
+
   /// Writes the remaining shard and index.json. Returns the number of samples.
   std::size_t finish();
 
@@ -201,6 +219,7 @@ class CachedDatasetWriter {
   };
   std::vector<PendingTensor> pending_;
   std::size_t pending_samples_ = 0;
+  std::optional<EmptyPrompt> empty_prompt_;
   bool finished_ = false;
 };
 

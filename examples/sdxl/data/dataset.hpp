@@ -74,6 +74,16 @@ struct Sample {
   LatentSize latent_size() const { return {latent_shape[1], latent_shape[2]}; }
 };
 
+/// The text conditioning of the empty prompt "": what the two text encoders
+/// give for it (prompt_embeds [sequence_length, width], row-major, and the
+/// second encoder's pooled output [pooled_width]). Caption dropout trains on
+/// it in place of a sample's own, so that classifier-free guidance has an
+/// unconditional prediction to subtract.
+struct EmptyPrompt {
+  std::vector<float> prompt_embeds;
+  std::vector<float> pooled_prompt_embeds;
+};
+
 /// A random-access collection of samples.
 ///
 /// sample() and bucket_of() are const and may be called from several threads
@@ -88,6 +98,9 @@ class Dataset {
   /// Loads sample i. Throws zero::InvalidArgument for i >= size().
   virtual Sample sample(std::size_t i) const = 0;
   virtual TextDims text_dims() const = 0;
+  /// The dataset's empty-prompt conditioning, or nullptr when it carries none
+  /// (cached datasets written before it was part of the format).
+  virtual const EmptyPrompt* empty_prompt() const { return nullptr; }
 
   /// Every sample's bucket, in index order (what the sampler consumes).
   std::vector<LatentSize> buckets() const {
@@ -159,5 +172,22 @@ class SplitMix64 {
  private:
   std::uint64_t state_;
 };
+
+/// Caption dropout's draw: whether sample `sample_index` (global, the
+/// dataset's index) of micro-step `micro` of step `step` trains on the empty
+/// prompt, with probability `probability`. A function of its arguments only,
+/// on its own SplitMix64 stream: no other draw (noise, timesteps, shuffles)
+/// moves when it is on or off, and any world size or a resumed run drops the
+/// same samples. p <= 0 never drops, p >= 1 always does (no draw at all).
+inline bool drop_caption(std::uint64_t seed, std::int64_t step, std::int64_t micro, std::size_t sample_index,
+                         double probability) {
+  if (probability <= 0) return false;
+  if (probability >= 1) return true;
+  // The tag keeps this stream apart from the others seeded from `seed`.
+  constexpr std::uint64_t kCaptionDropoutStream = 0x63617074696f6e00ull;  // "caption"
+  SplitMix64 rng(SplitMix64::combine(seed, kCaptionDropoutStream, static_cast<std::uint64_t>(step),
+                                     static_cast<std::uint64_t>(micro), static_cast<std::uint64_t>(sample_index)));
+  return static_cast<double>(rng.uniform()) < probability;
+}
 
 }  // namespace sdxl::data

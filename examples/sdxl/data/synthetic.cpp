@@ -33,6 +33,13 @@ SyntheticDataset::SyntheticDataset(SyntheticOptions options) : options_(std::mov
              "SyntheticDataset: text dims must be positive, got ", t);
   ZERO_CHECK(options_.num_captions > 0, "SyntheticDataset: num_captions must be > 0");
   ZERO_CHECK(options_.noise_std >= 0.0f, "SyntheticDataset: noise_std must be >= 0");
+  constexpr std::uint64_t kEmptyPromptCode = ~std::uint64_t{0};
+  empty_prompt_.prompt_embeds.resize(static_cast<std::size_t>(t.sequence_length * t.width));
+  SplitMix64 embed(SplitMix64::combine(options_.seed, kEmbedStream, kEmptyPromptCode));
+  for (float& v : empty_prompt_.prompt_embeds) v = symmetric_unit_variance(embed);
+  empty_prompt_.pooled_prompt_embeds.resize(static_cast<std::size_t>(t.pooled_width));
+  SplitMix64 pooled(SplitMix64::combine(options_.seed, kPooledStream, kEmptyPromptCode));
+  for (float& v : empty_prompt_.pooled_prompt_embeds) v = symmetric_unit_variance(pooled);
 }
 
 SyntheticDataset::Draw SyntheticDataset::draw(std::size_t i) const {

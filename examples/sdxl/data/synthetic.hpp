@@ -55,6 +55,9 @@ class SyntheticDataset final : public Dataset {
   LatentSize bucket_of(std::size_t i) const override;
   Sample sample(std::size_t i) const override;
   TextDims text_dims() const override { return options_.text_dims; }
+  /// Deterministic in the seed: the embedding streams of a caption code no
+  /// sample has (2^64 - 1), so the "empty prompt" differs from every caption.
+  const EmptyPrompt* empty_prompt() const override { return &empty_prompt_; }
 
   /// The caption code of sample i.
   std::size_t caption_code(std::size_t i) const;
@@ -68,6 +71,7 @@ class SyntheticDataset final : public Dataset {
   Draw draw(std::size_t i) const;
 
   SyntheticOptions options_;
+  EmptyPrompt empty_prompt_;
 };
 
 }  // namespace sdxl::data

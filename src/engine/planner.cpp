@@ -535,8 +535,11 @@ std::string FitResult::summary() const {
     return out.str();
   }
   out << "nothing fits " << format_bytes(gpu_bytes) << " (" << format_bytes(limit) << " usable with a "
-      << options.safety_margin * 100 << "% margin) at N=" << (candidates.empty() ? 0 : candidates[0].plan.input.world_size)
-      << ", batch " << (candidates.empty() ? 0 : candidates[0].plan.input.batch) << ".";
+      << options.safety_margin * 100 << "% margin) at N=" << (candidates.empty() ? 0 : candidates[0].plan.input.world_size);
+  if (options.global_batch > 0)
+    out << ", global batch " << options.global_batch << " (every micro-batch tried).";
+  else
+    out << ", batch " << (candidates.empty() ? 0 : candidates[0].plan.input.batch) << ".";
   for (const std::string& s : suggestions) out << " Suggestion: " << s << ".";
   return out.str();
 }

@@ -56,12 +56,13 @@ zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const ze
   return zero::plan::make_plan(in);
 }
 
-/// Before the engine exists: fail when the planner's lower bound of the peak
-/// (model state, engine buffers, runtime; activations at their least) is
-/// over the cap. Such a run cannot fit; what the lower bound lets through
-/// may still run out in a step, and LibTorch then reports it.
+/// Before the engine exists: fail when the planner's UPPER bound of the
+/// peak is over the cap. A run refused only on the lower bound was accepted
+/// with a range reaching past the cap and then died mid-step in a raw CUDA
+/// out-of-memory; the refusal names the range, the cap and a configuration
+/// that fits at the same global batch.
 void check_plan_fits(const TrainConfig& c, std::size_t cap, const zero::plan::Plan& plan) {
-  const auto why = zero::plan::check_fits(plan, cap, {.safety_margin = 0, .estimate = zero::plan::PeakEstimate::lower});
+  const auto why = zero::plan::check_cap(plan, cap);
   if (why) ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", *why);
 }
 
@@ -80,7 +81,7 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
     zero::EngineOptions uncached = options;
     uncached.buckets.cache_bytes = 0;
     zero::plan::Plan uncached_plan = plan_run(c, ucfg, uncached, world, ranks_per_host, frozen_sizes_by_unit);
-    if (uncached_plan.gpu_peak_lower() <= cap) {
+    if (uncached_plan.gpu_peak() <= cap) {
       options = uncached;
       run_plan = std::move(uncached_plan);
       if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");

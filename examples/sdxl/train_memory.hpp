@@ -21,8 +21,8 @@ namespace sdxl {
 /// device = "cuda" only (the planner's constants are calibrated for the
 /// GPU): the plan of the run, printed by rank 0. With a cap (bytes, 0 for
 /// none) it may switch the engine's block cache off in `options` where that
-/// is what fits, and throws zero::OutOfMemory when even the plan's lower
-/// bound is over the cap. frozen_sizes_by_unit: the element counts of each
+/// is what fits, and throws zero::OutOfMemory when the plan's upper bound
+/// is over the cap (zero::plan::check_cap: the range, the cap, a proposal). frozen_sizes_by_unit: the element counts of each
 /// unit's frozen tensors ([model] freeze), in the model's unit order; empty: none.
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,
                                                 zero::EngineOptions& options, std::size_t cap, int world,

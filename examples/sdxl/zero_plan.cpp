@@ -92,7 +92,7 @@ std::size_t parse_count(const std::string& text) {
 struct Options {
   std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
-  int shard_group_size = 0;
+  int shard_group_size = 0, global_batch = 0;
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
@@ -143,6 +143,10 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--activation-fixed", o.fixed_text, "override: activation bytes independent of the batch");
   app.add_option("--runtime-overhead", o.overhead_text, "override: CUDA context + libraries + allocator slack per GPU");
   app.add_option("--fit", o.fit_text, "GPU memory (e.g. 24GiB, 80G): propose the fastest configuration that fits");
+  app.add_option("--global-batch,--global_batch", o.global_batch,
+                 "with --fit: samples per optimizer step over all GPUs; also search the micro-batch (--batch), "
+                 "accumulation and the delayed update, maximising predicted images/s")
+      ->check(CLI::Range(1, kMaxBatch));
   app.add_option("--host-memory", o.host_text, "with --fit: pinned host memory per host (e.g. 512GiB)");
   app.add_option("--margin", o.margin, "with --fit: safety margin (fraction of the GPU kept free)")->capture_default_str();
   app.add_flag("--lower-bound", o.lower_bound,
@@ -218,6 +222,9 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
 
 // Prints the plan, or with --fit the fastest configuration that fits; the exit status.
 int plan_or_fit(const Options& o, const zero::plan::PlanInput& in) {
+  ZERO_CHECK(o.global_batch == 0 || !o.fit_text.empty(), "--global-batch: needs --fit (it searches the micro-batch)");
+  ZERO_CHECK(o.global_batch % o.world_size == 0, "--global-batch ", o.global_batch,
+             " is not a multiple of --world-size ", o.world_size);
   if (o.fit_text.empty()) {
     const zero::plan::Plan plan = zero::plan::make_plan(in);
     std::fputs((o.json_output ? plan.to_json() + "\n" : plan.table()).c_str(), stdout);
@@ -227,6 +234,7 @@ int plan_or_fit(const Options& o, const zero::plan::PlanInput& in) {
   options.safety_margin = o.margin;
   if (o.lower_bound) options.estimate = zero::plan::PeakEstimate::lower;
   if (!o.host_text.empty()) options.host_bytes = parse_size(o.host_text, "--host-memory");
+  options.global_batch = o.global_batch;
   const std::size_t gpu_bytes = parse_size(o.fit_text, "--fit");
   const zero::plan::FitResult result = zero::plan::fit(in, gpu_bytes, options);
   std::fputs((o.json_output ? result.to_json() + "\n" : result.table()).c_str(), stdout);

@@ -194,7 +194,7 @@ std::size_t Plan::gpu_peak_lower() const {
   return std::max(gpu_at_step_end(), runtime_overhead + model_state.model_state() + engine.peak());
 }
 
-double Plan::relative_time() const {
+double Plan::seconds_per_step() const {
   const SpeedModel& s = input.speed;
   // GPU time per micro-step (SpeedModel), then checkpointing, stage and
   // offload costs; offload is not assumed to overlap the GPU's work.
@@ -224,7 +224,30 @@ double Plan::relative_time() const {
   }
   // A delayed update runs beside the next step's device work: the slower counts.
   const double step = input.engine.offload.delayed_update ? std::max(gpu, offload) : gpu + offload;
-  return step / (plain * input.engine.accumulation_steps);
+  return step;
+}
+
+double Plan::relative_time() const {
+  const SpeedModel& s = input.speed;
+  const double size =
+      s.reference_param_count > 0 ? static_cast<double>(input.param_count) / s.reference_param_count : 1.0;
+  const double plain = s.gpu_seconds_per_step * size +
+                       s.gpu_seconds_per_sample * size * input.activations.area_scale * static_cast<double>(input.batch);
+  return seconds_per_step() / (plain * input.engine.accumulation_steps);
+}
+
+double Plan::images_per_second() const {
+  return static_cast<double>(input.world_size) * input.batch * input.engine.accumulation_steps / seconds_per_step();
+}
+
+std::string Plan::trainer_options() const {
+  const auto flag = [](bool on) { return on ? "true" : "false"; };
+  return "stage = " + std::to_string(input.engine.stage) + ", offload_optimizer = " +
+         flag(input.engine.offload.optimizer) + ", offload_params = " + flag(input.engine.offload.params) +
+         ", offload_delayed_update = " + flag(input.engine.offload.delayed_update) +
+         ", activation_checkpointing = " + flag(input.activation_checkpointing) +
+         ", batch_size = " + std::to_string(input.batch) +
+         ", accumulation = " + std::to_string(input.engine.accumulation_steps);
 }
 
 std::string Plan::label() const {
@@ -233,6 +256,7 @@ std::string Plan::label() const {
   if (input.engine.offload.delayed_update) text += ", delayed update";
   text += input.activation_checkpointing ? ", checkpointing" : ", no checkpointing";
   text += ", batch " + std::to_string(input.batch);
+  if (input.engine.accumulation_steps > 1) text += " x " + std::to_string(input.engine.accumulation_steps);
   return text;
 }
 
@@ -371,36 +395,62 @@ std::size_t peak_of(const Plan& plan, const FitOptions& o) {
   return o.estimate == PeakEstimate::lower ? plan.gpu_peak_lower() : plan.gpu_peak();
 }
 
+/// Micro-batches to search: the base's, or every divisor of the global
+/// batch per GPU (accumulation makes up the rest).
+std::vector<std::pair<int, int>> batches_of(const PlanInput& base, const FitOptions& options) {
+  if (options.global_batch <= 0) return {{base.batch, base.engine.accumulation_steps}};
+  ZERO_CHECK(options.global_batch % base.world_size == 0, "fit: the global batch ", options.global_batch,
+             " is not a multiple of the world size ", base.world_size);
+  const int per_gpu = options.global_batch / base.world_size;
+  std::vector<std::pair<int, int>> out;
+  for (int micro = 1; micro <= per_gpu; ++micro)
+    if (per_gpu % micro == 0) out.emplace_back(micro, per_gpu / micro);
+  return out;
+}
+
 std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   std::vector<FitResult::Candidate> out;
   const std::size_t limit = usable(gpu_bytes, options);
   struct Offload {
     bool optimizer, params;
   };
-  for (int stage = 0; stage <= 3; ++stage)
-    for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}})
-      for (bool checkpointing : {false, true}) {
-        if (offload.optimizer && stage == 0) continue;
-        if (offload.params && stage != 3) continue;
-        PlanInput in = base;
-        in.engine.stage = stage;
-        in.engine.offload.optimizer = offload.optimizer;
-        in.engine.offload.params = offload.params;
-        in.activation_checkpointing = checkpointing;
-        FitResult::Candidate c{make_plan(in), false, ""};
-        const std::size_t need = peak_of(c.plan, options);
-        c.fits = need <= limit;
-        if (!c.fits) c.why_not = "needs " + format_bytes(need) + " of " + format_bytes(limit) + " usable";
-        if (c.fits && options.host_bytes > 0 && c.plan.host_per_host() > options.host_bytes) {
-          c.fits = false;
-          c.why_not = "host needs " + format_bytes(c.plan.host_per_host()) + " of " + format_bytes(options.host_bytes);
-        }
-        out.push_back(std::move(c));
-      }
-  // Fastest first; equal speed: less memory first.
+  for (const auto& [micro, accumulation] : batches_of(base, options))
+    for (int stage = 0; stage <= 3; ++stage)
+      for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}})
+        for (bool checkpointing : {false, true})
+          for (bool delayed : {false, true}) {
+            if (offload.optimizer && stage == 0) continue;
+            if (offload.params && stage != 3) continue;
+            // The engine runs the delayed update with offload_optimizer, one
+            // micro-step per step and no offload_params only. Without a
+            // global batch the base's choice is kept where it is allowed.
+            const bool allowed = offload.optimizer && !offload.params && accumulation == 1;
+            const bool wanted = options.global_batch > 0 ? delayed : base.engine.offload.delayed_update;
+            if (delayed != (wanted && allowed)) continue;
+            PlanInput in = base;
+            in.batch = micro;
+            in.engine.accumulation_steps = accumulation;
+            in.engine.stage = stage;
+            in.engine.offload.optimizer = offload.optimizer;
+            in.engine.offload.params = offload.params;
+            in.engine.offload.delayed_update = delayed;
+            in.activation_checkpointing = checkpointing;
+            FitResult::Candidate c{make_plan(in), false, ""};
+            const std::size_t need = peak_of(c.plan, options);
+            c.fits = need <= limit;
+            if (!c.fits) c.why_not = "needs " + format_bytes(need) + " of " + format_bytes(limit) + " usable";
+            if (c.fits && options.host_bytes > 0 && c.plan.host_per_host() > options.host_bytes) {
+              c.fits = false;
+              c.why_not =
+                  "host needs " + format_bytes(c.plan.host_per_host()) + " of " + format_bytes(options.host_bytes);
+            }
+            out.push_back(std::move(c));
+          }
+  // Most images per second first (at one batch: least time per sample);
+  // equal speed: less memory first.
   std::stable_sort(out.begin(), out.end(), [](const FitResult::Candidate& a, const FitResult::Candidate& b) {
-    const double ta = a.plan.relative_time(), tb = b.plan.relative_time();
-    if (std::abs(ta - tb) > 1e-9) return ta < tb;
+    const double ra = a.plan.images_per_second(), rb = b.plan.images_per_second();
+    if (std::abs(ra - rb) > 1e-9 * std::max(ra, rb)) return ra > rb;
     return a.plan.gpu_peak() < b.plan.gpu_peak();
   });
   return out;
@@ -429,11 +479,14 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
     }
   if (result.best) return result;
 
-  // Nothing fits: the largest smaller batch that does, and the fewest GPUs.
+  // Nothing fits: the largest smaller batch that does, and the fewest GPUs
+  // (at one batch: a global batch search has tried every micro-batch).
+  FitOptions fixed_batch = options;
+  fixed_batch.global_batch = 0;
   for (int batch = base.batch - 1; batch >= 1; --batch) {
     PlanInput in = base;
     in.batch = batch;
-    if (auto p = fastest_fitting(in, gpu_bytes, options)) {
+    if (auto p = fastest_fitting(in, gpu_bytes, fixed_batch)) {
       const int accumulation = (base.batch * base.engine.accumulation_steps + batch - 1) / batch;
       result.suggestions.push_back("batch " + std::to_string(batch) + " per GPU fits (" + p->label() + ", " +
                                    format_bytes(peak_of(*p, options)) + "); accumulation_steps " +
@@ -444,7 +497,7 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
   for (int world = base.world_size * 2; world <= 4096; world *= 2) {
     PlanInput in = base;
     in.world_size = world;
-    if (auto p = fastest_fitting(in, gpu_bytes, options)) {
+    if (auto p = fastest_fitting(in, gpu_bytes, fixed_batch)) {
       result.suggestions.push_back(std::to_string(world) + " GPUs fit at batch " + std::to_string(base.batch) +
                                    " (" + p->label() + ", " + format_bytes(peak_of(*p, options)) + " per GPU)");
       break;
@@ -456,7 +509,7 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
     PlanInput in = base;
     in.batch = 1;
     in.world_size = 4096;
-    const auto floor = search(in, gpu_bytes, options);
+    const auto floor = search(in, gpu_bytes, fixed_batch);
     const auto least = std::min_element(floor.begin(), floor.end(), [&](const auto& a, const auto& b) {
       return peak_of(a.plan, options) < peak_of(b.plan, options);
     });
@@ -477,12 +530,16 @@ std::string FitResult::summary() const {
     out << "fits " << format_bytes(gpu_bytes) << " (" << format_bytes(limit) << " usable with a "
         << options.safety_margin * 100 << "% margin): " << best->label() << ", predicted peak "
         << format_bytes(peak_of(*best, options)) << " per GPU, relative time per sample " << std::fixed
-        << std::setprecision(2) << best->relative_time();
+        << std::setprecision(2) << best->relative_time() << ", predicted " << best->images_per_second()
+        << " images/s (speed model, not validated across batches); trainer: " << best->trainer_options();
     return out.str();
   }
   out << "nothing fits " << format_bytes(gpu_bytes) << " (" << format_bytes(limit) << " usable with a "
-      << options.safety_margin * 100 << "% margin) at N=" << (candidates.empty() ? 0 : candidates[0].plan.input.world_size)
-      << ", batch " << (candidates.empty() ? 0 : candidates[0].plan.input.batch) << ".";
+      << options.safety_margin * 100 << "% margin) at N=" << (candidates.empty() ? 0 : candidates[0].plan.input.world_size);
+  if (options.global_batch > 0)
+    out << ", global batch " << options.global_batch << " (every micro-batch tried).";
+  else
+    out << ", batch " << (candidates.empty() ? 0 : candidates[0].plan.input.batch) << ".";
   for (const std::string& s : suggestions) out << " Suggestion: " << s << ".";
   return out.str();
 }
@@ -494,6 +551,7 @@ std::string FitResult::to_json(int indent) const {
   j["safety_margin"] = options.safety_margin;
   j["peak_estimate"] = options.estimate == PeakEstimate::lower ? "lower" : "upper";
   if (options.host_bytes) j["host_budget_bytes"] = options.host_bytes;
+  if (options.global_batch > 0) j["global_batch"] = options.global_batch;
   j["fits"] = best.has_value();
   j["best"] = best ? plan_json(*best) : json(nullptr);
   json list = json::array();
@@ -507,6 +565,11 @@ std::string FitResult::to_json(int indent) const {
                     {"gpu_peak_lower_bytes", c.plan.gpu_peak_lower()},
                     {"host_bytes_per_host", c.plan.host_per_host()},
                     {"relative_time_per_sample", c.plan.relative_time()},
+                    {"batch", c.plan.input.batch},
+                    {"accumulation_steps", c.plan.input.engine.accumulation_steps},
+                    {"offload_delayed_update", c.plan.input.engine.offload.delayed_update},
+                    {"images_per_second", c.plan.images_per_second()},
+                    {"trainer_options", c.plan.trainer_options()},
                     {"fits", c.fits},
                     {"why_not", c.why_not}});
   }
@@ -518,16 +581,25 @@ std::string FitResult::to_json(int indent) const {
 
 std::string FitResult::table() const {
   std::ostringstream out;
-  out << "candidates, fastest first (relative time per sample; peak per GPU; host per host):\n";
+  out << "candidates, fastest first (images/s predicted; relative time per sample; peak per GPU; host per host):\n";
+  // A global batch search lists many: the fastest, and the first that fits.
+  constexpr std::size_t kShown = 15;
+  std::size_t shown = 0;
+  bool fit_shown = false;
   for (const Candidate& c : candidates) {
-    char text[256];
-    std::snprintf(text, sizeof text, "  %-4s %-45s %6.2f  %12s  %12s  %s", c.fits ? "fits" : "-",
-                  c.plan.label().c_str(), c.plan.relative_time(), format_bytes(peak_of(c.plan, options)).c_str(),
-                  format_bytes(c.plan.host_per_host()).c_str(), c.why_not.c_str());
+    if (shown >= kShown && (fit_shown || !c.fits)) continue;
+    fit_shown = fit_shown || c.fits;
+    ++shown;
+    char text[320];
+    std::snprintf(text, sizeof text, "  %-4s %-60s %8.3f  %6.2f  %12s  %12s  %s", c.fits ? "fits" : "-",
+                  c.plan.label().c_str(), c.plan.images_per_second(), c.plan.relative_time(),
+                  format_bytes(peak_of(c.plan, options)).c_str(), format_bytes(c.plan.host_per_host()).c_str(),
+                  c.why_not.c_str());
     std::string row = text;
     row.erase(row.find_last_not_of(' ') + 1);
     out << row << "\n";
   }
+  if (shown < candidates.size()) out << "  (" << candidates.size() - shown << " more not shown; --json lists all)\n";
   out << "\n" << summary() << "\n";
   if (best) out << "\n" << best->table();
   return out.str();
@@ -545,6 +617,28 @@ std::optional<std::string> check_fits(const Plan& plan, std::size_t cap_bytes, c
       << ") exceeds " << format_bytes(limit) << " usable of " << format_bytes(cap_bytes) << " for "
       << plan.label() << " at N=" << plan.input.world_size << ". ";
   out << fit(plan.input, cap_bytes, options).summary();
+  return out.str();
+}
+
+std::optional<std::string> check_cap(const Plan& plan, std::size_t cap_bytes) {
+  const FitOptions exact{.safety_margin = 0, .estimate = PeakEstimate::upper};
+  if (plan.gpu_peak() <= usable(cap_bytes, exact)) return std::nullopt;
+  std::ostringstream out;
+  out << "predicted peak GPU memory " << format_bytes(plan.gpu_peak_lower()) << " .. " << format_bytes(plan.gpu_peak())
+      << " per GPU for " << plan.label() << " at N=" << plan.input.world_size << " (model state "
+      << format_bytes(plan.model_state.model_state()) << ", engine buffers " << format_bytes(plan.engine.peak())
+      << ", activations " << format_bytes(plan.activations) << ", runtime " << format_bytes(plan.runtime_overhead)
+      << "): the upper bound exceeds the cap of " << format_bytes(cap_bytes)
+      << ", so the run could die out of memory mid-step. ";
+  // A proposal at the same global batch, judged by the same upper bound.
+  FitOptions search_options = exact;
+  search_options.global_batch = plan.input.world_size * plan.input.batch * plan.input.engine.accumulation_steps;
+  const FitResult proposal = fit(plan.input, cap_bytes, search_options);
+  if (proposal.best)
+    out << "Fits at the same global batch of " << search_options.global_batch << ": " << proposal.best->trainer_options()
+        << " (predicted peak up to " << format_bytes(proposal.best->gpu_peak()) << ").";
+  else
+    out << proposal.summary();
   return out.str();
 }
 

@@ -407,3 +407,82 @@ TEST_CASE("plan: frozen tensors count as parameters only") {
         doctest::Approx(trained * all.model_state.optimizer_state).epsilon(1e-3));
   CHECK(static_cast<double>(part.model_state.grads) == doctest::Approx(trained * all.model_state.grads).epsilon(1e-3));
 }
+
+TEST_CASE("fit with a global batch: the choice fits, is the fastest by the model, and keeps the global batch") {
+  plan::PlanInput in = sdxl_input();
+  in.engine.ema.decay = 0.9999;
+  plan::FitOptions options;
+  options.global_batch = 64;
+  const plan::FitResult r = plan::fit(in, 24 * kGiB, options);
+  REQUIRE(r.best.has_value());
+  CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(24.0 * kGiB * 0.95));
+  double fastest_fitting = 0;
+  bool micro_searched = false;
+  for (const auto& c : r.candidates) {
+    const plan::PlanInput& ci = c.plan.input;
+    CHECK(ci.world_size * ci.batch * ci.engine.accumulation_steps == 64);
+    if (ci.batch != 1) micro_searched = true;
+    // The delayed update only where the engine allows it (make_plan would throw otherwise).
+    if (ci.engine.offload.delayed_update)
+      CHECK((ci.engine.offload.optimizer && !ci.engine.offload.params && ci.engine.accumulation_steps == 1));
+    if (c.fits) fastest_fitting = std::max(fastest_fitting, c.plan.images_per_second());
+  }
+  CHECK(micro_searched);
+  CHECK(r.best->images_per_second() == doctest::Approx(fastest_fitting));
+  CHECK(r.summary().find("batch_size = ") != std::string::npos);
+  // Not a multiple of the world size: refused, naming both.
+  in.world_size = 3;
+  CHECK_THROWS_WITH(plan::fit(in, 24 * kGiB, options), doctest::Contains("not a multiple of the world size 3"));
+}
+
+TEST_CASE("fit: a delayed update in the input does not hide the memory reason (issue 20, item 4)") {
+  // Stage 2, offload, delayed update, checkpointing, batch 8 under 24 GiB:
+  // the search used to try the delayed update without offload_optimizer
+  // and stopped on the engine's option check instead of the peak.
+  plan::PlanInput in = sdxl_input();
+  in.engine.ema.decay = 0.9999;
+  in.engine.stage = 2;
+  in.engine.offload.optimizer = true;
+  in.engine.offload.delayed_update = true;
+  in.activation_checkpointing = true;
+  in.batch = 8;
+  const plan::Plan p = plan::make_plan(in);
+  std::optional<std::string> message;
+  REQUIRE_NOTHROW(message = plan::check_fits(p, 24 * kGiB));
+  REQUIRE(message.has_value());
+  CHECK(message->find("predicted peak GPU memory") != std::string::npos);
+  CHECK(message->find("offload_delayed_update needs") == std::string::npos);
+}
+
+TEST_CASE("check_cap: a cap below the predicted upper bound is refused with the range and a proposal (issue 20)") {
+  // Stage 3 with offload_params under 12 GiB (the issue's run was batch 4
+  // with the trainer's plan; here batch 2 is the case with this input): the
+  // lower bound fits, the upper does not; the trainer used to refuse only
+  // on the lower bound, accept it and die mid-step.
+  plan::PlanInput in = sdxl_input();
+  in.engine.ema.decay = 0.9999;
+  in.engine.stage = 3;
+  in.engine.offload.optimizer = true;
+  in.engine.offload.params = true;
+  in.activation_checkpointing = true;
+  in.batch = 2;
+  const plan::Plan p = plan::make_plan(in);
+  REQUIRE(p.gpu_peak_lower() <= 12 * kGiB);
+  REQUIRE(p.gpu_peak() > 12 * kGiB);
+  const auto message = plan::check_cap(p, 12 * kGiB);
+  REQUIRE(message.has_value());
+  CHECK(message->find(format_bytes(p.gpu_peak_lower()) + " .. " + format_bytes(p.gpu_peak())) != std::string::npos);
+  CHECK(message->find("exceeds the cap of 12.00 GiB") != std::string::npos);
+  // Within the cap: accepted.
+  CHECK(!plan::check_cap(p, p.gpu_peak()).has_value());
+  // At 24 GiB a proposal at the same global batch (4) is given with the trainer's keys.
+  const auto at24 = plan::check_cap(plan::make_plan([&] {
+                                      plan::PlanInput b = in;
+                                      b.batch = 16;
+                                      return b;
+                                    }()),
+                                    24 * kGiB);
+  REQUIRE(at24.has_value());
+  CHECK(at24->find("same global batch of 16") != std::string::npos);
+  CHECK(at24->find("batch_size = ") != std::string::npos);
+}

@@ -186,6 +186,17 @@ struct Plan {
   /// Relative time per sample (1 = one sample's GPU compute at stage 0, no
   /// checkpointing, no offload), from input.speed.
   double relative_time() const;
+  /// Predicted seconds of one optimizer step (all micro-steps, offload,
+  /// delayed update overlapped) in the speed model's units: seconds when
+  /// the speed model carries measured GPU times (sdxl::calibration), else
+  /// relative. Not validated against measured runs across batch sizes.
+  double seconds_per_step() const;
+  /// world x batch x accumulation / seconds_per_step(): what fit() with a
+  /// global batch maximises.
+  double images_per_second() const;
+  /// The example trainer's keys that select this configuration
+  /// ("stage = 2, offload_optimizer = true, ..., batch_size = 4, accumulation = 2").
+  std::string trainer_options() const;
   /// A one-line name: "stage 2, offload, checkpointing, batch 1".
   std::string label() const;
 
@@ -210,6 +221,12 @@ struct FitOptions {
   PeakEstimate estimate = PeakEstimate::upper;
   /// Host memory per host (0 = not checked).
   std::size_t host_bytes = 0;
+  /// > 0: also search the micro-batch (every divisor of global_batch /
+  /// world_size) with accumulation = global_batch / (micro-batch x world),
+  /// and the delayed update where the engine allows it (offload_optimizer,
+  /// no offload_params, accumulation 1); candidates ranked by
+  /// images_per_second(). 0: the base input's batch and accumulation.
+  int global_batch = 0;
 };
 
 struct FitResult {
@@ -235,8 +252,10 @@ struct FitResult {
 };
 
 /// Searches stage (0-3) x offload_optimizer x activation checkpointing (plus
-/// offload_params at stage 3) at the base input's world size and batch;
-/// everything else is kept.
+/// offload_params at stage 3) at the base input's world size and batch
+/// (with options.global_batch: micro-batch, accumulation and the delayed
+/// update too); everything else is kept. A delayed update in the base input
+/// is kept only where the candidate allows it.
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options = {});
 
 /// For a trainer, before it allocates anything: nullopt when the plan's peak
@@ -245,5 +264,12 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
 /// To fail fast only on what surely cannot fit, pass
 /// {.safety_margin = 0, .estimate = PeakEstimate::lower}.
 std::optional<std::string> check_fits(const Plan& plan, std::size_t cap_bytes, const FitOptions& options = {});
+
+/// The trainer's refusal under a cap (max_gpu_memory), before it allocates:
+/// nullopt when the plan's UPPER bound of the peak is within cap_bytes (no
+/// margin), else the predicted peak range, the cap, and a configuration that
+/// fits at the same global batch (fit() with global_batch = world x batch x
+/// accumulation), with its trainer options.
+std::optional<std::string> check_cap(const Plan& plan, std::size_t cap_bytes);
 
 }  // namespace zero::plan

@@ -13,6 +13,8 @@ packages=(
   libcli11-dev                     # command lines of the tools and examples
   libtomlplusplus-dev              # trainer configs
   libutf8proc-dev                  # Unicode categories, case mapping, NFC: the CLIP tokenizer
+  libstb-dev                       # stb_image/stb_image_write: image files in prepare, sample, validation
+  libwebp-dev                      # WebP images in prepare
   libspdlog-dev libfmt-dev         # logging in the trainer
   doctest-dev                      # unit and MPI tests
   libbenchmark-dev                 # micro benchmarks

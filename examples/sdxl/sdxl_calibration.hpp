@@ -55,18 +55,28 @@ inline zero::plan::ActivationModel scaled_activation_model(std::size_t param_cou
 /// trainer process on one H200.
 inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.453 * kGiB); }
 
-/// The speed model of the SDXL UNet at 1024 px on an H200 (unet_bench: 174 ms
-/// at batch 1, 449 ms at batch 8, stage 0 without checkpointing).
+/// The speed model of the SDXL UNet at 1024 px on an H200, fitted to trainer
+/// runs (sdxl-1024.toml, EMA, global batch 8; bench/results/speed-prediction.md):
+/// a micro-step costs max(0.096 s + 0.0392 s per sample, 0.226 s) at stage 0
+/// without checkpointing (the per-sample slope is unet_bench's; below batch 4
+/// the step is launch-bound: batch 1 x 8 ran at 3.27 img/s, not the 6 img/s a
+/// straight line predicts), x 1.33 with checkpointing, plus 0.04 s per step for
+/// the device AdamW + EMA. Offload: the host's AdamW + EMA ran at 2.25 G
+/// elements/s (1.14 s per step for 2.57 B), PCIe at 50 GB/s.
 inline zero::plan::SpeedModel speed_model() {
   zero::plan::SpeedModel s;
-  s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8, 1.43x at batch 1
+  s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.29x at batch 8
   s.stage3_gather_cost = 0.4;     // measured +41% at batch 1, +2.5% at batch 8
   // Stages 1 and 2: their measured differences to stage 0 are within 3%
   // (N = 1) and their traffic equals stage 0's; equal times go to the
   // configuration with less memory.
   s.stage_step_cost = 0.0;
-  s.gpu_seconds_per_step = 0.135;
+  s.gpu_seconds_per_step = 0.096;
   s.gpu_seconds_per_sample = 0.0392;
+  s.min_gpu_seconds_per_micro_step = 0.226;
+  s.optimizer_seconds_per_step = 0.04;
+  s.cpu_elements_per_second = 2.25e9;
+  s.pcie_bytes_per_second = 50e9;
   s.reference_param_count = kSdxlParams;
   return s;
 }

@@ -139,7 +139,7 @@ std::int64_t count_parameters(const UNetConfig& config) {
 std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config) {
   std::vector<zero::plan::PlanUnit> units;
   for (const UnitParameterCount& unit : count_unit_parameters(config)) {
-    zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed};
+    zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed, {}};
     for (std::int64_t t : unit.tensors) u.tensors.push_back(static_cast<std::size_t>(t));
     units.push_back(std::move(u));
   }

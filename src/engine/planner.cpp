@@ -204,11 +204,14 @@ double Plan::seconds_per_step() const {
   const double fixed_seconds = s.gpu_seconds_per_step * size;
   const double per_sample = s.gpu_seconds_per_sample * size * input.activations.area_scale;
   const double samples = static_cast<double>(input.batch);
-  const double plain = fixed_seconds + per_sample * samples;  // stage 0, no checkpointing
+  // Stage 0, no checkpointing; small batches stop at the launch-bound floor.
+  const double plain = std::max(fixed_seconds + per_sample * samples, s.min_gpu_seconds_per_micro_step * size);
   double gpu = plain * (input.activation_checkpointing ? s.checkpointing_factor : 1.0);
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;
   gpu *= input.engine.accumulation_steps;
+  if (!input.engine.offload.optimizer)
+    gpu += s.optimizer_seconds_per_step * size / (input.engine.stage == 0 ? 1.0 : input.world_size);
   double offload = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;

@@ -486,3 +486,33 @@ TEST_CASE("check_cap: a cap below the predicted upper bound is refused with the 
   CHECK(at24->find("same global batch of 16") != std::string::npos);
   CHECK(at24->find("batch_size = ") != std::string::npos);
 }
+
+TEST_CASE("plan speed: a launch-bound floor for small micro-batches and the device optimizer once per step") {
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 1;
+  in.engine.stage = 2;
+  in.speed = plan::SpeedModel{};
+  in.speed.gpu_seconds_per_step = 0.1;
+  in.speed.gpu_seconds_per_sample = 0.05;
+  in.speed.checkpointing_factor = 1.0;
+  const auto seconds = [&](int batch, int accumulation) {
+    plan::PlanInput x = in;
+    x.batch = batch;
+    x.engine.accumulation_steps = accumulation;
+    return plan::make_plan(x).seconds_per_step();
+  };
+  CHECK(seconds(1, 1) == doctest::Approx(0.15));
+  CHECK(seconds(8, 1) == doctest::Approx(0.5));
+  in.speed.min_gpu_seconds_per_micro_step = 0.3;  // batch 1 and 2 sit on the floor, batch 8 above it
+  CHECK(seconds(1, 1) == doctest::Approx(0.3));
+  CHECK(seconds(1, 8) == doctest::Approx(2.4));
+  CHECK(seconds(8, 1) == doctest::Approx(0.5));
+  in.speed.optimizer_seconds_per_step = 0.04;  // once per step, not per micro-step
+  CHECK(seconds(1, 8) == doctest::Approx(2.44));
+  in.world_size = 4;  // sharded optimizer state: a quarter of the update per rank
+  CHECK(seconds(1, 8) == doctest::Approx(2.41));
+  in.engine.offload.optimizer = true;  // the CPU update replaces the device's
+  in.speed.cpu_elements_per_second = 1e30;
+  in.speed.pcie_bytes_per_second = 1e30;
+  CHECK(seconds(1, 8) == doctest::Approx(2.4));
+}

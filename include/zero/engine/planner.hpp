@@ -86,9 +86,17 @@ struct SpeedModel {
   /// parameters, both, and latent area, per sample, for other models).
   double gpu_seconds_per_step = 0.0;
   double gpu_seconds_per_sample = 1.0;
+  /// Floor of one micro-step's GPU time at stage 0 without checkpointing:
+  /// small batches are bound by kernel launches and latency, not by the
+  /// per-sample work (0: no floor).
+  double min_gpu_seconds_per_micro_step = 0.0;
+  /// The on-device optimizer step (and EMA) of the whole model, once per
+  /// step; divided by N where the optimizer state is sharded (stages 1-3);
+  /// not paid with offload_optimizer (the CPU update replaces it).
+  double optimizer_seconds_per_step = 0.0;
   /// Parameters of the model the times were measured on; 0: this model's own.
   double reference_param_count = 0.0;
-  double cpu_elements_per_second = 3e9;  // CPU AdamW per host (16 cores, vectorized), offload
+  double cpu_elements_per_second = 3e9;  // CPU AdamW (+ EMA) per host, offload
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
 };
 

@@ -243,21 +243,25 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
   const auto least = std::min_element(result.candidates.begin(), result.candidates.end(),
                                       [](const auto& a, const auto& b) { return a.plan.gpu_peak() < b.plan.gpu_peak(); });
   if (chosen == nullptr) {
+    const std::size_t usable = static_cast<std::size_t>(static_cast<double>(cap) * (1 - search.safety_margin));
     std::ostringstream why;
-    why << "fit = " << c.fit << ": no configuration fits " << zero::format_bytes(cap) << " per rank at the global batch "
-        << search.global_batch << " (" << world << (world == 1 ? " rank" : " ranks") << " x batch_size x accumulation; "
-        << result.candidates.size() << " configurations of micro-batch, accumulation, stage, offload, activation "
-        << "checkpointing and the delayed update searched, " << zero::format_bytes(static_cast<std::size_t>(
-                                                                       static_cast<double>(cap) * (1 - search.safety_margin)))
-        << " usable with the " << search.safety_margin * 100 << "% margin)";
+    why << "fit = " << c.fit << ": ";
+    if (fitting > 0) {
+      // Something fits, but every such candidate changes a pinned option or is refused by the configuration.
+      why << fitting << " of " << result.candidates.size() << " configurations at the global batch "
+          << search.global_batch << " fit " << zero::format_bytes(cap) << " per rank (" << zero::format_bytes(usable)
+          << " usable), but each changes an option given on the command line or is refused by the configuration; "
+          << "the fastest: " << skipped.front();
+      ZERO_THROW(zero::OutOfMemory, why.str());
+    }
+    why << "no configuration fits " << zero::format_bytes(cap) << " per rank at the global batch "
+        << search.global_batch << " (" << world << (world == 1 ? " rank" : " ranks")
+        << " x batch_size x accumulation; " << result.candidates.size() << " configurations of micro-batch, "
+        << "accumulation, stage, offload, activation checkpointing and the delayed update searched, "
+        << zero::format_bytes(usable) << " usable with the " << search.safety_margin * 100 << "% margin)";
     if (least != result.candidates.end())
       why << ": the smallest predicted peak is " << zero::format_bytes(least->plan.gpu_peak()) << " ("
-          << least->plan.trainer_options() << ")";
-    if (fitting > 0)
-      why << ". " << fitting << " that fit change an option given on the command line or are refused; the fastest: "
-          << skipped.front();
-    else
-      why << ". " << result.summary();
+          << least->plan.trainer_options() << "). " << result.summary();
     ZERO_THROW(zero::OutOfMemory, why.str());
   }
   const TrainConfig applied = with_plan_settings(c, chosen->plan);

@@ -148,25 +148,25 @@ TEST_CASE("fit: the run takes the planner's fastest proposal for its global batc
 TEST_CASE("fit: an option given on the command line is kept; faster proposals that change it are named") {
   sdxl::TrainConfig c = fit_run();
   c.fit = "40GiB";
-  c.stage = 2;
-  c.command_line_keys = {"stage", "precision"};
   const zero::plan::FitResult proposal = planner_proposal(c, 40 * zero::plan::kGiB, 8);
   REQUIRE(proposal.best.has_value());
-  REQUIRE(proposal.best->input.engine.stage != 2);  // else the pin would change nothing
-  const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
-  CHECK(c.stage == 2);
-  CHECK(c.batch_size * c.accumulation == 8);
-  // The fastest fitting stage-2 proposal.
-  const zero::plan::Plan* at_stage_2 = nullptr;
+  // --stage pinned to another stage than the planner's best.
+  const int pinned_stage = proposal.best->input.engine.stage == 3 ? 2 : 3;
+  c.stage = pinned_stage;
+  c.command_line_keys = {"stage", "precision"};
+  const zero::plan::Plan* at_stage = nullptr;  // the fastest fitting proposal at that stage
   for (const auto& candidate : proposal.candidates)
-    if (candidate.fits && candidate.plan.input.engine.stage == 2) {
-      at_stage_2 = &candidate.plan;
+    if (candidate.fits && candidate.plan.input.engine.stage == pinned_stage) {
+      at_stage = &candidate.plan;
       break;
     }
-  REQUIRE(at_stage_2 != nullptr);
-  CHECK(options_of(c) == at_stage_2->trainer_options());
-  CHECK(d.report.find("passed over (faster, fits): " + proposal.best->trainer_options() +
-                      ": --stage 2 was given on the command line") != std::string::npos);
+  REQUIRE(at_stage != nullptr);
+  const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+  CHECK(c.stage == pinned_stage);
+  CHECK(c.batch_size * c.accumulation == 8);
+  CHECK(options_of(c) == at_stage->trainer_options());
+  CHECK(d.report.find("passed over (faster, fits): " + proposal.best->trainer_options() + ": --stage " +
+                      std::to_string(pinned_stage) + " was given on the command line") != std::string::npos);
 }
 
 TEST_CASE("fit: candidates the configuration refuses are passed over (cuda_graph: stage 0-1, no offload, ...)") {

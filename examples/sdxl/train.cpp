@@ -141,7 +141,7 @@ void check_model_fits_host(const TrainConfig& cfg, const UNetConfig& ucfg, int r
 /// The UNet (the same initial weights on every rank), its parameters handed
 /// to the engine unit by unit, and every block's forward routed through the
 /// engine (gathers under stage 3, recomputation with checkpointing).
-ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommunicator& host_comm,
+ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicator& host_comm,
                                     DeviceRuntime& runtime) {
   const int world = host_comm.size();
   const bool leader = host_comm.rank() == 0;
@@ -186,9 +186,6 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
   // trained parameters only); 0 keeps it a valid index.
   std::map<std::string, int> group_by_name;
   for (std::size_t i = 0; i < names.size(); ++i) group_by_name[names[i]] = std::max(grouping.group_of[i], 0);
-  // The memory planner's view of the run (its constants are calibrated for
-  // the GPU): printed, and with max_gpu_memory checked before anything is allocated.
-  const std::size_t cap = cfg.max_gpu_memory.empty() ? 0 : zero::parse_bytes(cfg.max_gpu_memory, "max_gpu_memory");
   // The planner counts frozen tensors as parameters only.
   std::vector<std::vector<std::size_t>> frozen_sizes_by_unit;
   if (std::find(frozen.begin(), frozen.end(), true) != frozen.end())
@@ -197,6 +194,23 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
       for (const auto& [name, tensor] : u.params)
         if (!tensor.requires_grad()) frozen_sizes_by_unit.back().push_back(static_cast<std::size_t>(tensor.numel()));
     }
+  // [device] fit: the planner chooses batch, accumulation, stage, offload,
+  // checkpointing and the delayed update (a resumed run keeps its
+  // checkpoint's) before the engine is built from them. Every rank runs the
+  // same deterministic search, so all choose the same.
+  if (!cfg.fit.empty()) {
+    const FitDecision decision = fit_gpu_memory(cfg, m.config, options, world, host_comm.local_size(),
+                                                frozen_sizes_by_unit, saved_config_to_resume(cfg));
+    if (leader) {
+      std::printf("%s", decision.report.c_str());
+      std::fflush(stdout);
+    }
+    options = engine_options(cfg);
+    options.param_groups = grouping.groups;
+  }
+  // The memory planner's view of the run (its constants are calibrated for
+  // the GPU): printed, and with max_gpu_memory (or fit) checked before anything is allocated.
+  const std::size_t cap = gpu_memory_cap(cfg);
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
   if (run_plan)
@@ -207,7 +221,7 @@ ModelOnEngine build_model_on_engine(const TrainConfig& cfg, const zero::MpiCommu
       [&group_by_name](const std::string& name) { return group_by_name.at(name); });
   // The engine lays each unit out by group: the export names follow its order.
   for (const zero::ParamSpec& p : m.sharded->engine().params()) m.parameter_names.push_back(p.name);
-  if (cap > 0) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
+  if (cap > 0 && run_plan) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
   m.unet->set_activation_checkpointing(cfg.activation_checkpointing);
   m.unet->set_channels_last(cfg.channels_last);
   m.unet->set_unit_runner([sharded = m.sharded.get()](std::size_t unit, const variable_list& inputs,

@@ -191,4 +191,24 @@ Resumed maybe_resume(const TrainConfig& c, const data::EpochSchedule& schedule, 
   return r;
 }
 
+std::optional<std::string> saved_config_to_resume(const TrainConfig& c) {
+  if (c.resume.empty()) return std::nullopt;
+  fs::path dir = c.resume;
+  if (c.resume == "latest") {
+    const std::vector<zero::io::CheckpointFolder> complete = zero::io::list_complete_checkpoints(checkpoints_root(c));
+    if (complete.empty()) return std::nullopt;
+    dir = complete.back().path;
+  }
+  zero::io::CheckpointManifest manifest;
+  try {
+    manifest = zero::io::read_manifest(dir / zero::io::kManifestName);
+  } catch (const zero::Error&) {
+    return std::nullopt;  // maybe_resume refuses it with the reason
+  }
+  ZERO_CHECK(!manifest.config.empty(), "fit = ", c.fit, " with resume = \"", c.resume, "\": ", dir.string(),
+             " records no configuration, so the settings it trained with are unknown; resume without fit, with its "
+             "batch_size, accumulation, stage and offload options given explicitly");
+  return manifest.config;
+}
+
 }  // namespace sdxl

@@ -54,4 +54,11 @@ struct Resumed {
 Resumed maybe_resume(const TrainConfig& c, const data::EpochSchedule& schedule, zero::adapter::ShardedModel& model,
                      zero::Communicator& comm);
 
+/// The saved configuration (TrainConfig::to_toml() in the manifest) of the
+/// checkpoint that `resume` names ("latest": the newest complete one), for
+/// [device] fit to keep the settings it trained with. nullopt when the run
+/// starts fresh, or when the manifest cannot be read (maybe_resume then says
+/// what is wrong with it). Throws when the manifest records no configuration.
+std::optional<std::string> saved_config_to_resume(const TrainConfig& c);
+
 }  // namespace sdxl

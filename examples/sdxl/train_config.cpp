@@ -297,6 +297,11 @@ std::vector<Option> options_of(TrainConfig& c) {
        "products); false: strict fp32. Only fp32 computation is affected"},
       {"device", "max_gpu_memory", &c.max_gpu_memory,
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
+      {"device", "fit", &c.fit,
+       "choose batch_size and accumulation (same global batch), stage, offload_optimizer, offload_params, "
+       "offload_delayed_update and activation_checkpointing for the most predicted images/s within this GPU memory "
+       "per rank, e.g. 12GiB (zero-plan --fit), then cap the run at it as max_gpu_memory; options given on the "
+       "command line are kept; a resumed run keeps the checkpoint's; empty: off"},
       {"device", "attention", &c.attention,
        "attention kernel on the GPU: default (LibTorch's choice), flash, efficient, cudnn or math"},
       {"device", "channels_last", &c.channels_last,
@@ -566,6 +571,13 @@ void TrainConfig::validate() const {
     ZERO_CHECK(device == "cuda", "max_gpu_memory applies to device = \"cuda\" only");
     ZERO_CHECK(zero::parse_bytes(max_gpu_memory, "max_gpu_memory") > 0, "max_gpu_memory must be > 0");
   }
+  if (!fit.empty()) {
+    ZERO_CHECK(zero::parse_bytes(fit, "fit ([device], --fit)") > 0, "fit ([device], --fit) must be > 0");
+    ZERO_CHECK(max_gpu_memory.empty() ||
+                   zero::parse_bytes(max_gpu_memory, "max_gpu_memory") == zero::parse_bytes(fit, "fit"),
+               "fit = \"", fit, "\" and max_gpu_memory = \"", max_gpu_memory, "\" differ: fit caps the run at its own "
+               "size; leave max_gpu_memory empty or set it to the same size");
+  }
   one_of(attention, {"default", "flash", "efficient", "cudnn", "math"}, "attention");
   if (cuda_graph) {
     ZERO_CHECK(device == "cuda", "cuda_graph applies to device = \"cuda\" only");
@@ -727,6 +739,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
   for (std::size_t i = 0; i < options.size(); ++i)
     if (handles[i]->count() > 0) {
       set_from_text(options[i], overrides[i]);
+      config.command_line_keys.push_back(options[i].key);
       if (std::string(options[i].table) == "train" && std::string(options[i].key) == "steps") steps_given = true;
     }
   length_from_epochs(config, steps_given);

@@ -112,10 +112,21 @@ struct TrainConfig {
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
   bool tf32 = false;                   // TF32 tensor cores for fp32 matmuls and convolutions (false: strict fp32)
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
+  /// e.g. "12GiB" (--fit): before the engine is built, the memory planner
+  /// chooses batch_size, accumulation (keeping the global batch), stage,
+  /// offload_optimizer, offload_params, offload_delayed_update and
+  /// activation_checkpointing for the most predicted images/s under this
+  /// size, applies them, and (on CUDA) caps the run at it as max_gpu_memory
+  /// does. Options given on the command line are kept (train_memory.hpp).
+  std::string fit;
   std::string attention = "default";   // scaled-dot-product attention kernel: default, flash, efficient, cudnn, math
   bool channels_last = false;          // convolutional path in NHWC (fused NHWC GroupNorm+SiLU on CUDA)
   bool cuda_graph = false;             // capture forward+backward once, replay it every step (stages 0-1)
   std::int64_t profile_step = 0;       // write a Kineto trace of this step to output_dir (CUDA; 0: off)
+
+  /// Keys of the options given as --key on the command line (not saved):
+  /// what [device] fit must not change.
+  std::vector<std::string> command_line_keys;
 
   /// Throws zero::InvalidArgument naming the first key that is out of range.
   /// With epochs the options bounded by the run's length in steps are

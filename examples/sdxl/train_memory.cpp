@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -24,10 +25,11 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
   return s;
 }
 
-/// The memory planner's view of this run (model, engine options, batch,
+/// The memory planner's input for this run (model, engine options, batch,
 /// checkpointing, latent size), before anything is allocated.
-zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
-                          int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
+zero::plan::PlanInput plan_input(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options,
+                                 int world, int ranks_per_host,
+                                 const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
   zero::plan::PlanInput in;
   in.engine = options;
   in.world_size = world;
@@ -53,7 +55,146 @@ zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const ze
   in.gpus_per_host = ranks_per_host;
   in.batch = static_cast<int>(c.batch_size);
   in.activation_checkpointing = c.activation_checkpointing;
-  return zero::plan::make_plan(in);
+  return in;
+}
+
+zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
+                          int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
+  return zero::plan::make_plan(plan_input(c, ucfg, options, world, ranks_per_host, frozen_sizes_by_unit));
+}
+
+/// "max_gpu_memory = 24GiB" or "fit = 12GiB": the option that set the cap, for messages.
+std::string cap_option(const TrainConfig& c) {
+  return c.max_gpu_memory.empty() ? "fit = " + c.fit : "max_gpu_memory = " + c.max_gpu_memory;
+}
+
+// ---------------------------------------------------------------- [device] fit
+
+/// The options [device] fit chooses, by key, read and written on a config.
+struct FitSetting {
+  const char* key;
+  std::string (*show)(const TrainConfig&);
+  void (*take)(TrainConfig& to, const TrainConfig& from);
+};
+
+std::string yes_no(bool b) { return b ? "true" : "false"; }
+
+const std::vector<FitSetting>& fit_settings() {
+  static const std::vector<FitSetting> settings = {
+      {"batch_size", [](const TrainConfig& c) { return std::to_string(c.batch_size); },
+       [](TrainConfig& t, const TrainConfig& f) { t.batch_size = f.batch_size; }},
+      {"accumulation", [](const TrainConfig& c) { return std::to_string(c.accumulation); },
+       [](TrainConfig& t, const TrainConfig& f) { t.accumulation = f.accumulation; }},
+      {"stage", [](const TrainConfig& c) { return std::to_string(c.stage); },
+       [](TrainConfig& t, const TrainConfig& f) { t.stage = f.stage; }},
+      {"offload_optimizer", [](const TrainConfig& c) { return yes_no(c.offload_optimizer); },
+       [](TrainConfig& t, const TrainConfig& f) { t.offload_optimizer = f.offload_optimizer; }},
+      {"offload_params", [](const TrainConfig& c) { return yes_no(c.offload_params); },
+       [](TrainConfig& t, const TrainConfig& f) { t.offload_params = f.offload_params; }},
+      {"offload_delayed_update", [](const TrainConfig& c) { return yes_no(c.offload_delayed_update); },
+       [](TrainConfig& t, const TrainConfig& f) { t.offload_delayed_update = f.offload_delayed_update; }},
+      {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
+       [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
+  };
+  return settings;
+}
+
+bool pinned(const TrainConfig& c, const char* key) {
+  return std::find(c.command_line_keys.begin(), c.command_line_keys.end(), key) != c.command_line_keys.end();
+}
+
+/// `c` with a candidate's settings.
+TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) {
+  TrainConfig t = c;
+  t.batch_size = p.input.batch;
+  t.accumulation = p.input.engine.accumulation_steps;
+  t.stage = p.input.engine.stage;
+  t.offload_optimizer = p.input.engine.offload.optimizer;
+  t.offload_params = p.input.engine.offload.params;
+  t.offload_delayed_update = p.input.engine.offload.delayed_update;
+  t.activation_checkpointing = p.input.activation_checkpointing;
+  return t;
+}
+
+/// "batch_size 4 -> 1, offload_optimizer false -> true", or "nothing".
+std::string changes(const TrainConfig& from, const TrainConfig& to) {
+  std::string out;
+  for (const FitSetting& s : fit_settings())
+    if (s.show(from) != s.show(to))
+      out += (out.empty() ? "" : ", ") + std::string(s.key) + " " + s.show(from) + " -> " + s.show(to);
+  return out.empty() ? "nothing" : out;
+}
+
+/// Why `t` (a candidate applied to c) cannot be the run's: a setting given
+/// on the command line that it changes, or what validate() refuses; empty: none.
+std::string passed_over(const TrainConfig& c, const TrainConfig& t) {
+  for (const FitSetting& s : fit_settings())
+    if (pinned(c, s.key) && s.show(c) != s.show(t))
+      return std::string("--") + s.key + " " + s.show(c) + " was given on the command line";
+  try {
+    t.validate();
+  } catch (const zero::InvalidArgument& e) {
+    return e.message();
+  }
+  return "";
+}
+
+std::string peak_range(const zero::plan::Plan& p) {
+  return zero::format_bytes(p.gpu_peak_lower()) + " .. " + zero::format_bytes(p.gpu_peak());
+}
+
+std::string images_per_second(const zero::plan::Plan& p) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.4g", p.images_per_second());
+  return text;
+}
+
+/// A resumed run keeps the settings of the checkpoint it continues: its
+/// global batch and data order (the sampler refuses another batch_size x
+/// ranks; the engine's state was saved for its stage and offload).
+FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput& base,
+                                     const std::string& resumed_config) {
+  TrainConfig saved;
+  try {
+    saved = train_config_from_toml(resumed_config, "the checkpoint's saved configuration");
+  } catch (const zero::Error& e) {
+    ZERO_THROW(zero::InvalidArgument, "fit = ", c.fit, " with resume = \"", c.resume, "\": ", e.message(),
+               "; resume without fit, with the checkpoint's settings given explicitly");
+  }
+  TrainConfig kept = c;
+  std::string pinned_keys;
+  for (const FitSetting& s : fit_settings()) {
+    if (pinned(c, s.key)) {
+      pinned_keys += (pinned_keys.empty() ? "" : ", ") + std::string(s.key);
+      continue;
+    }
+    s.take(kept, saved);
+  }
+  kept.validate();
+  zero::plan::PlanInput in = base;
+  in.batch = static_cast<int>(kept.batch_size);
+  in.engine.accumulation_steps = static_cast<int>(kept.accumulation);
+  in.engine.stage = static_cast<int>(kept.stage);
+  in.engine.offload.optimizer = kept.offload_optimizer;
+  in.engine.offload.params = kept.offload_params;
+  in.engine.offload.delayed_update = kept.offload_delayed_update;
+  in.activation_checkpointing = kept.activation_checkpointing;
+  FitDecision d{zero::plan::make_plan(in), ""};
+  const std::size_t cap = zero::parse_bytes(c.fit, "fit");
+  if (const auto why = zero::plan::check_cap(d.plan, cap))
+    ZERO_THROW(zero::OutOfMemory, "fit = ", c.fit, ": resuming keeps the settings of the checkpoint (",
+               d.plan.trainer_options(), "), and ", *why);
+  std::ostringstream out;
+  out << "--- fit = " << c.fit << ": resuming, so nothing is searched: the run keeps the checkpoint's settings (its "
+      << "global batch and data order)\n  " << d.plan.trainer_options() << "\n  predicted peak " << peak_range(d.plan)
+      << " per rank, predicted " << images_per_second(d.plan)
+      << " images/s (speed model, not validated across batches)\n  changed from the configuration: "
+      << changes(c, kept) << "\n";
+  if (!pinned_keys.empty()) out << "  kept as given on the command line: " << pinned_keys << "\n";
+  out << "---\n";
+  d.report = out.str();
+  c = kept;
+  return d;
 }
 
 /// Before the engine exists: fail when the planner's UPPER bound of the
@@ -63,10 +204,86 @@ zero::plan::Plan plan_run(const TrainConfig& c, const UNetConfig& ucfg, const ze
 /// that fits at the same global batch.
 void check_plan_fits(const TrainConfig& c, std::size_t cap, const zero::plan::Plan& plan) {
   const auto why = zero::plan::check_cap(plan, cap);
-  if (why) ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", *why);
+  if (why) ZERO_THROW(zero::OutOfMemory, cap_option(c), ": ", *why);
 }
 
 }  // namespace
+
+std::size_t gpu_memory_cap(const TrainConfig& c) {
+  if (c.device != "cuda") return 0;
+  if (!c.max_gpu_memory.empty()) return zero::parse_bytes(c.max_gpu_memory, "max_gpu_memory");
+  return c.fit.empty() ? 0 : zero::parse_bytes(c.fit, "fit");
+}
+
+FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
+                           int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit,
+                           const std::optional<std::string>& resumed_config) {
+  ZERO_CHECK(!c.fit.empty(), "fit_gpu_memory: [device] fit is not set");
+  const std::size_t cap = zero::parse_bytes(c.fit, "fit");
+  const zero::plan::PlanInput base = plan_input(c, ucfg, options, world, ranks_per_host, frozen_sizes_by_unit);
+  if (resumed_config) return keep_checkpoint_settings(c, base, *resumed_config);
+  // Exactly `zero-plan --fit SIZE --global-batch G`: the default margin and
+  // the upper bound of the peak.
+  zero::plan::FitOptions search;
+  search.global_batch = static_cast<int>(world * c.batch_size * c.accumulation);
+  const zero::plan::FitResult result = zero::plan::fit(base, cap, search);
+  const zero::plan::FitResult::Candidate* chosen = nullptr;
+  std::vector<std::string> skipped;  // faster candidates that fit but were passed over, and why
+  std::size_t fitting = 0;
+  for (const zero::plan::FitResult::Candidate& candidate : result.candidates) {
+    if (!candidate.fits) continue;
+    ++fitting;
+    const std::string why = passed_over(c, with_plan_settings(c, candidate.plan));
+    if (why.empty()) {
+      chosen = &candidate;
+      break;
+    }
+    skipped.push_back(candidate.plan.trainer_options() + ": " + why);
+  }
+  const auto least = std::min_element(result.candidates.begin(), result.candidates.end(),
+                                      [](const auto& a, const auto& b) { return a.plan.gpu_peak() < b.plan.gpu_peak(); });
+  if (chosen == nullptr) {
+    const std::size_t usable = static_cast<std::size_t>(static_cast<double>(cap) * (1 - search.safety_margin));
+    std::ostringstream why;
+    why << "fit = " << c.fit << ": ";
+    if (fitting > 0) {
+      // Something fits, but every such candidate changes a pinned option or is refused by the configuration.
+      why << fitting << " of " << result.candidates.size() << " configurations at the global batch "
+          << search.global_batch << " fit " << zero::format_bytes(cap) << " per rank (" << zero::format_bytes(usable)
+          << " usable), but each changes an option given on the command line or is refused by the configuration; "
+          << "the fastest: " << skipped.front();
+      ZERO_THROW(zero::OutOfMemory, why.str());
+    }
+    why << "no configuration fits " << zero::format_bytes(cap) << " per rank at the global batch "
+        << search.global_batch << " (" << world << (world == 1 ? " rank" : " ranks")
+        << " x batch_size x accumulation; " << result.candidates.size() << " configurations of micro-batch, "
+        << "accumulation, stage, offload, activation checkpointing and the delayed update searched, "
+        << zero::format_bytes(usable) << " usable with the " << search.safety_margin * 100 << "% margin)";
+    if (least != result.candidates.end())
+      why << ": the smallest predicted peak is " << zero::format_bytes(least->plan.gpu_peak()) << " ("
+          << least->plan.trainer_options() << "). " << result.summary();
+    ZERO_THROW(zero::OutOfMemory, why.str());
+  }
+  const TrainConfig applied = with_plan_settings(c, chosen->plan);
+  const zero::plan::Plan as_given = zero::plan::make_plan(base);
+  std::ostringstream out;
+  out << "--- fit = " << c.fit << ": the fastest predicted of " << result.candidates.size()
+      << " configurations (micro-batch x accumulation = global batch " << search.global_batch << " over " << world
+      << (world == 1 ? " rank" : " ranks") << ", stage, offload, activation checkpointing, delayed update) whose "
+      << "predicted peak fits " << zero::format_bytes(static_cast<std::size_t>(static_cast<double>(cap) *
+                                                                                (1 - search.safety_margin)))
+      << " (" << c.fit << " less a " << search.safety_margin * 100 << "% margin; zero-plan --fit " << c.fit
+      << " --global-batch " << search.global_batch << " ranks the same)\n  chosen: " << chosen->plan.trainer_options()
+      << "\n  predicted peak " << peak_range(chosen->plan) << " per rank, predicted " << images_per_second(chosen->plan)
+      << " images/s (speed model, not validated across batches)\n  the configuration as given ("
+      << as_given.trainer_options() << "): predicted peak up to " << zero::format_bytes(as_given.gpu_peak()) << ", "
+      << images_per_second(as_given) << " images/s\n  changed from the configuration: " << changes(c, applied) << "\n";
+  for (const std::string& s : skipped) out << "  passed over (faster, fits): " << s << "\n";
+  out << "---\n";
+  FitDecision d{chosen->plan, out.str()};
+  c = applied;
+  return d;
+}
 
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,
                                                 zero::EngineOptions& options, std::size_t cap, int world,
@@ -84,7 +301,7 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
     if (uncached_plan.gpu_peak() <= cap) {
       options = uncached;
       run_plan = std::move(uncached_plan);
-      if (leader) std::printf("max_gpu_memory: the engine's block cache is off to fit the cap\n");
+      if (leader) std::printf("%s: the engine's block cache is off to fit the cap\n", cap_option(c).c_str());
     }
   }
   if (leader)
@@ -103,7 +320,7 @@ void apply_gpu_memory_cap(const TrainConfig& c, std::size_t cap, const zero::Eng
   // scratch in flight, gathered units, cached blocks), as the planner ran them.
   const std::size_t transient = plan.engine.peak();
   if (outside + transient >= cap)
-    ZERO_THROW(zero::OutOfMemory, "max_gpu_memory = ", c.max_gpu_memory, ": ", zero::format_bytes(outside),
+    ZERO_THROW(zero::OutOfMemory, cap_option(c), ": ", zero::format_bytes(outside),
                " are in use before training (CUDA context, NCCL, the engine's model state: ",
                zero::format_memory(engine.memory()), ") and the engine's transient buffers need up to ",
                zero::format_bytes(transient), "; nothing is left for activations. Try",

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "device_runtime.hpp"
 #include "train_config.hpp"
@@ -28,6 +30,35 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
                                                 zero::EngineOptions& options, std::size_t cap, int world,
                                                 int ranks_per_host, bool leader,
                                                 const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {});
+
+/// The GPU memory cap of the run in bytes: max_gpu_memory, else fit; 0 for
+/// none. Applies on device = "cuda" only.
+std::size_t gpu_memory_cap(const TrainConfig& c);
+
+/// What [device] fit (--fit SIZE) decided, and the block rank 0 prints.
+struct FitDecision {
+  zero::plan::Plan plan;  // of the configuration the run now has
+  std::string report;     // what was chosen (or kept), why, and what changed
+};
+
+/// [device] fit: the memory planner's search (zero::plan::fit with the
+/// run's global batch, world x batch_size x accumulation, the default 5%
+/// margin and the upper bound of the peak: `zero-plan --fit SIZE
+/// --global-batch G`) over micro-batch, accumulation, stage, offload,
+/// activation checkpointing and the delayed update, for the model, optimizer,
+/// EMA, precision and frozen tensors of this run (`options`: the engine
+/// options of `c`). The fastest candidate that fits is applied to `c`,
+/// except that options given on the command line (c.command_line_keys) are
+/// kept: candidates that change them, or that c.validate() refuses (e.g.
+/// cuda_graph's needs), are passed over, and the report says so.
+/// `resumed_config`: the saved configuration (TrainConfig::to_toml()) of the
+/// checkpoint this run resumes from; then nothing is searched: the run keeps
+/// the checkpoint's settings (same global batch, same data order) and they
+/// must fit the cap by zero::plan::check_cap. Throws zero::OutOfMemory
+/// naming the size and the smallest predicted peak when nothing fits.
+FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
+                           int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {},
+                           const std::optional<std::string>& resumed_config = std::nullopt);
 
 /// Once the engine holds its buffers: measures what is in use and gives
 /// LibTorch's caching allocator the rest of the cap, less the engine's

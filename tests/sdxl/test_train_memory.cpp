@@ -3,6 +3,8 @@
 // needs no GPU, only a configuration that names device = "cuda".
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "train_memory.hpp"
@@ -85,4 +87,179 @@ TEST_CASE("max_gpu_memory: a delayed update that the options allow is not blamed
     CHECK(what.find("predicted peak GPU memory") != std::string::npos);
     CHECK(what.find("offload_delayed_update needs") == std::string::npos);
   }
+}
+
+// ---------------------------------------------------------------- [device] fit (fit_gpu_memory)
+
+namespace {
+
+// Full SDXL, AdamW + EMA, bf16, 1024 px, one GPU, global batch 8 given as
+// batch_size 8 at stage 2 (predicted ~72 GiB): what --fit 24GiB must change.
+sdxl::TrainConfig fit_run() {
+  sdxl::TrainConfig c = issue_20_run();
+  c.max_gpu_memory.clear();
+  c.fit = "24GiB";
+  c.synthetic = true;
+  c.stage = 2;
+  c.offload_optimizer = false;
+  c.offload_params = false;
+  c.activation_checkpointing = false;
+  c.batch_size = 8;
+  c.accumulation = 1;
+  return c;
+}
+
+std::string options_of(const sdxl::TrainConfig& c) {
+  return "stage = " + std::to_string(c.stage) + ", offload_optimizer = " + (c.offload_optimizer ? "true" : "false") +
+         ", offload_params = " + (c.offload_params ? "true" : "false") + ", offload_delayed_update = " +
+         (c.offload_delayed_update ? "true" : "false") + ", activation_checkpointing = " +
+         (c.activation_checkpointing ? "true" : "false") + ", batch_size = " + std::to_string(c.batch_size) +
+         ", accumulation = " + std::to_string(c.accumulation);
+}
+
+/// What `zero-plan --unet-config sdxl-base --ema --fit 24GiB --global-batch 8` proposes.
+zero::plan::FitResult planner_proposal(const sdxl::TrainConfig& c, std::size_t gpu_bytes, int global_batch) {
+  zero::EngineOptions options = engine_options_of(c);
+  const auto plan = sdxl::plan_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), options, 0, 1, 1, false);
+  REQUIRE(plan.has_value());
+  zero::plan::FitOptions search;
+  search.global_batch = global_batch;
+  return zero::plan::fit(plan->input, gpu_bytes, search);
+}
+
+}  // namespace
+
+TEST_CASE("fit: the run takes the planner's fastest proposal for its global batch, and says what changed") {
+  sdxl::TrainConfig c = fit_run();
+  const zero::plan::FitResult proposal = planner_proposal(c, 24 * zero::plan::kGiB, 8);
+  REQUIRE(proposal.best.has_value());
+  const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+  CHECK(options_of(c) == proposal.best->trainer_options());
+  CHECK(d.plan.trainer_options() == proposal.best->trainer_options());
+  CHECK(c.batch_size * c.accumulation == 8);  // the global batch is kept
+  CHECK(d.plan.gpu_peak() <= 24 * zero::plan::kGiB);
+  CHECK(d.report.find("--- fit = 24GiB") != std::string::npos);
+  CHECK(d.report.find("chosen: " + proposal.best->trainer_options()) != std::string::npos);
+  CHECK(d.report.find("images/s") != std::string::npos);
+  CHECK(d.report.find("changed from the configuration: ") != std::string::npos);
+  CHECK(d.report.find("stage 2 -> ") != std::string::npos);
+}
+
+TEST_CASE("fit: an option given on the command line is kept; faster proposals that change it are named") {
+  sdxl::TrainConfig c = fit_run();
+  c.fit = "40GiB";
+  const zero::plan::FitResult proposal = planner_proposal(c, 40 * zero::plan::kGiB, 8);
+  REQUIRE(proposal.best.has_value());
+  // --stage pinned to another stage than the planner's best.
+  const int pinned_stage = proposal.best->input.engine.stage == 3 ? 2 : 3;
+  c.stage = pinned_stage;
+  c.command_line_keys = {"stage", "precision"};
+  const zero::plan::Plan* at_stage = nullptr;  // the fastest fitting proposal at that stage
+  for (const auto& candidate : proposal.candidates)
+    if (candidate.fits && candidate.plan.input.engine.stage == pinned_stage) {
+      at_stage = &candidate.plan;
+      break;
+    }
+  REQUIRE(at_stage != nullptr);
+  const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+  CHECK(c.stage == pinned_stage);
+  CHECK(c.batch_size * c.accumulation == 8);
+  CHECK(options_of(c) == at_stage->trainer_options());
+  CHECK(d.report.find("passed over (faster, fits): " + proposal.best->trainer_options() + ": --stage " +
+                      std::to_string(pinned_stage) + " was given on the command line") != std::string::npos);
+}
+
+TEST_CASE("fit: candidates the configuration refuses are passed over (cuda_graph: stage 0-1, no offload, ...)") {
+  // Under 80 GiB global batch 8 needs checkpointing, accumulation or offload,
+  // each of which cuda_graph refuses: refused with cuda_graph's own reason.
+  sdxl::TrainConfig c = fit_run();
+  c.fit = "80GiB";
+  c.cuda_graph = true;
+  c.stage = 0;
+  CHECK_THROWS_WITH_AS(sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1),
+                       doctest::Contains("is refused by the configuration; the fastest: stage = 0, "),
+                       zero::OutOfMemory);
+  // Under 139 GiB the fastest fits and cuda_graph takes it.
+  c.fit = "139GiB";
+  sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.stage <= 1);
+  CHECK_FALSE(c.offload_optimizer);
+  CHECK_FALSE(c.activation_checkpointing);
+  CHECK(c.batch_size == 8);
+  CHECK(c.accumulation == 1);
+}
+
+TEST_CASE("fit: when every fitting candidate changes a pinned option, the refusal says so") {
+  sdxl::TrainConfig c = fit_run();  // at 24 GiB only stage 3 with everything offloaded fits
+  c.command_line_keys = {"stage"};
+  CHECK_THROWS_WITH_AS(sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1),
+                       doctest::Contains("but each changes an option given on the command line or is refused by the "
+                                         "configuration; the fastest: stage = 3"),
+                       zero::OutOfMemory);
+  CHECK(c.stage == 2);
+}
+
+TEST_CASE("fit: nothing fits: refused naming the size and the smallest predicted peak") {
+  sdxl::TrainConfig c = fit_run();
+  c.fit = "4GiB";
+  const sdxl::TrainConfig before = c;
+  const zero::plan::FitResult proposal = planner_proposal(c, 4 * zero::plan::kGiB, 8);
+  REQUIRE_FALSE(proposal.best.has_value());
+  std::size_t least = SIZE_MAX;
+  for (const auto& candidate : proposal.candidates) least = std::min(least, candidate.plan.gpu_peak());
+  try {
+    sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+    FAIL("a fit that nothing meets was accepted");
+  } catch (const zero::OutOfMemory& e) {
+    const std::string what = e.what();
+    CHECK(what.find("fit = 4GiB: no configuration fits 4.00 GiB per rank at the global batch 8") != std::string::npos);
+    CHECK(what.find("the smallest predicted peak is " + zero::format_bytes(least)) != std::string::npos);
+  }
+  CHECK(options_of(c) == options_of(before));  // nothing applied
+}
+
+TEST_CASE("fit: a resumed run keeps the checkpoint's settings, and refuses them when they exceed the size") {
+  sdxl::TrainConfig saved = fit_run();
+  saved.stage = 3;
+  saved.offload_optimizer = true;
+  saved.offload_params = true;
+  saved.activation_checkpointing = true;
+  saved.batch_size = 2;
+  saved.accumulation = 4;
+  sdxl::TrainConfig c = fit_run();
+  c.fit = "40GiB";
+  const sdxl::FitDecision d =
+      sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1, {}, saved.to_toml());
+  CHECK(options_of(c) == options_of(saved));
+  CHECK(d.report.find("resuming, so nothing is searched") != std::string::npos);
+  CHECK(d.report.find("batch_size 8 -> 2") != std::string::npos);
+  // The saved settings over the cap: refused by check_cap's rule, not silently replaced.
+  sdxl::TrainConfig small = fit_run();
+  small.fit = "12GiB";
+  try {
+    sdxl::fit_gpu_memory(small, sdxl::UNetConfig::sdxl_base(), engine_options_of(small), 1, 1, {}, saved.to_toml());
+    FAIL("the checkpoint's settings were accepted over the cap");
+  } catch (const zero::OutOfMemory& e) {
+    const std::string what = e.what();
+    CHECK(what.find("fit = 12GiB: resuming keeps the settings of the checkpoint") != std::string::npos);
+    CHECK(what.find("exceeds the cap of 12.00 GiB") != std::string::npos);
+  }
+}
+
+TEST_CASE("fit: the configuration's checks (fit with max_gpu_memory)") {
+  sdxl::TrainConfig c = fit_run();
+  CHECK_NOTHROW(c.validate());
+  c.max_gpu_memory = "24 GiB";
+  CHECK_NOTHROW(c.validate());  // the same size
+  c.max_gpu_memory = "12GiB";
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("fit = \"24GiB\" and max_gpu_memory = \"12GiB\" differ"),
+                       zero::InvalidArgument);
+  c.max_gpu_memory.clear();
+  c.fit = "0";
+  CHECK_THROWS_AS(c.validate(), zero::InvalidArgument);
+  c.fit = "24GiB";
+  CHECK(sdxl::gpu_memory_cap(c) == 24 * zero::plan::kGiB);
+  c.device = "cpu";
+  CHECK(sdxl::gpu_memory_cap(c) == 0);  // nothing to cap on the CPU; the choice is still made
 }

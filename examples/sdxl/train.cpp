@@ -378,7 +378,7 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
     ZERO_CHECK(empty != nullptr, "caption_dropout ([data], --caption_dropout) = ", cfg.caption_dropout,
                " needs the empty prompt's text conditioning, but the dataset '", cfg.dataset, "' has no ",
                data::kEmptyPromptFileName, " (index.json names none: a dataset of format version 1); write it with ",
-               "tools/prepare_dataset.py (it caches the empty prompt) or CachedDatasetWriter::set_empty_prompt, or set ",
+               "examples/sdxl/prepare (it caches the empty prompt) or CachedDatasetWriter::set_empty_prompt, or set ",
                "caption_dropout = 0");
     d.empty_prompt = *empty;
   }

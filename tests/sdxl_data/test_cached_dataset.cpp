@@ -473,6 +473,74 @@ TEST_CASE("cached dataset: the optional empty prompt (format version 2) round tr
   }
 }
 
+TEST_CASE("cached dataset: the optional validation prompts (format version 2) round trip and refusals") {
+  TempDir dir;
+  const auto& d = dir.path();
+  std::mt19937_64 rng(12);
+  {
+    CachedDatasetWriter writer(d, small_options());
+    for (std::size_t i = 0; i < 3; ++i) writer.add(random_sample(rng, {8, 8}, kText, "x"));
+    const Sample reference = random_sample(rng, {8, 8}, kText, "");
+    writer.set_empty_prompt(EmptyPrompt{reference.prompt_embeds, reference.pooled_prompt_embeds});
+    writer.finish();
+  }
+  CHECK(CachedDataset::open(d)->validation_prompts() == nullptr);
+  // Two prompts: rows [2, seq, width] and [2, pooled] with distinct values.
+  std::vector<float> embeds(2 * kText.sequence_length * kText.width), pooled(2 * kText.pooled_width);
+  for (std::size_t i = 0; i < embeds.size(); ++i) embeds[i] = static_cast<float>(i) * 0.25f;
+  for (std::size_t i = 0; i < pooled.size(); ++i) pooled[i] = -static_cast<float>(i);
+  auto write = [&](std::int64_t rows, const Json& prompts) {
+    zero::io::write_safetensors(
+        d / kValidationPromptsFileName,
+        {{"prompt_embeds", zero::io::TensorDType::F32, {rows, kText.sequence_length, kText.width}, embeds.data()},
+         {"pooled_prompt_embeds", zero::io::TensorDType::F32, {rows, kText.pooled_width}, pooled.data()}});
+    Json edited = read_json(d / kIndexFileName);
+    edited["validation_prompts"] = {{"file", kValidationPromptsFileName},
+                                    {"size", std::filesystem::file_size(d / kValidationPromptsFileName)},
+                                    {"prompts", prompts}};
+    write_json(d / kIndexFileName, edited);
+  };
+  SUBCASE("round trip: prompts and rows in order") {
+    write(2, {"a cat", "a dog"});
+    auto opened = CachedDataset::open(d);
+    REQUIRE(opened->validation_prompts() != nullptr);
+    CHECK(opened->validation_prompts()->prompts == std::vector<std::string>{"a cat", "a dog"});
+    CHECK(opened->validation_prompts()->prompt_embeds == embeds);
+    CHECK(opened->validation_prompts()->pooled_prompt_embeds == pooled);
+  }
+  SUBCASE("rows and prompt count disagree") {
+    write(2, {"a cat", "a dog", "a third"});
+    expect_io_error(d, kValidationPromptsFileName, {"prompt_embeds", "[3,5,24]", "prompt count"});
+  }
+  SUBCASE("missing and truncated file") {
+    write(2, {"a cat", "a dog"});
+    std::filesystem::resize_file(d / kValidationPromptsFileName,
+                                 std::filesystem::file_size(d / kValidationPromptsFileName) - 8);
+    expect_io_error(d, kValidationPromptsFileName, {"truncated"});
+    std::filesystem::remove(d / kValidationPromptsFileName);
+    expect_io_error(d, kValidationPromptsFileName, {"missing", "validation prompts"});
+  }
+  SUBCASE("index entries") {
+    write(2, {"a cat", "a dog"});
+    const Json index = read_json(d / kIndexFileName);
+    for (const auto& [pointer, value] : std::vector<std::pair<std::string, Json>>{
+             {"/validation_prompts/file", "../v.safetensors"},
+             {"/validation_prompts/file", kEmptyPromptFileName},
+             {"/validation_prompts/prompts", Json::array()},
+             {"/validation_prompts/prompts", "a cat"},
+             {"/validation_prompts/prompts", Json::array({"a cat", 3})},
+             {"/validation_prompts/size", -1},
+             {"/version", 1}}) {
+      CAPTURE(pointer);
+      Json edited = index;
+      edited[Json::json_pointer(pointer)] = value;
+      if (pointer == "/version") edited.erase("empty_prompt");
+      write_json(d / kIndexFileName, edited);
+      expect_io_error(d, "index.json");
+    }
+  }
+}
+
 TEST_CASE("caption dropout draw: deterministic per (seed, step, micro, sample), rate near p") {
   CHECK_FALSE(drop_caption(1, 0, 0, 0, 0.0));
   CHECK(drop_caption(1, 0, 0, 0, 1.0));

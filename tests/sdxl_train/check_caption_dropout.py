@@ -72,8 +72,8 @@ def counts(rows):
 
 
 def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "prepare_dataset.py")
-    spec = importlib.util.spec_from_file_location("prepare_dataset", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
+    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -159,7 +159,7 @@ def main():
     said = [line for line in text.splitlines() if "caption_dropout" in line]
     print(f"  refused in {time.time() - start:.1f} s: {said[0] if said else text[-2000:]}")
     check(result.returncode != 0, "p > 0 on a dataset without an empty prompt exits non-zero")
-    for fragment in ("caption_dropout", "empty_prompt.safetensors", "tools/prepare_dataset.py", all_empty):
+    for fragment in ("caption_dropout", "empty_prompt.safetensors", "examples/sdxl/prepare", all_empty):
         check(fragment in text, f"the refusal names {fragment!r}")
     check("frame #" not in text, "the refusal carries no C++ frames")
 

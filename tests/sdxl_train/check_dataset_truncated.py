@@ -8,7 +8,7 @@ is left running (stdlib only; black-box).
   check_dataset_truncated.py TRAIN MPIEXEC CONFIG WORKDIR [mpiexec flags...]
 
 The dataset (tiny model dims: 16x16 latents, text 7x64, pooled 32; 4 shards
-of 16 samples) is written with tools/prepare_dataset.py's stdlib writer. Once
+of 16 samples) is written with the stdlib writer cached_dataset_writer.py. Once
 the run has logged a step, every shard is cut to 20000 bytes (as
 `truncate -s 20000 DS/shard-*.safetensors` would).
 """
@@ -38,8 +38,8 @@ def check(condition, message):
 
 
 def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "prepare_dataset.py")
-    spec = importlib.util.spec_from_file_location("prepare_dataset", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
+    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

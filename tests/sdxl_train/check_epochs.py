@@ -7,7 +7,7 @@ ZERO_TEST_RANKS (default 2) is the world size N of the training runs;
 ZERO_TEST_CASES=all (default) or "sweep" (the world-size dependent cases only,
 for the other N of the sweep label).
 
-The cached dataset (written with tools/prepare_dataset.py's stdlib writer):
+The cached dataset (written with the stdlib writer cached_dataset_writer.py):
 13 samples of 8x8 latents and 7 of 16x8, a global batch of 6 (batch_size
 6 / N): 2 + 1 = 3 global batches per epoch, 1 + 1 = 2 samples of partly
 filled batches left out of each epoch (drop-last per bucket), so an epoch is
@@ -60,8 +60,8 @@ def check(condition, message):
 
 
 def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "prepare_dataset.py")
-    spec = importlib.util.spec_from_file_location("prepare_dataset", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
+    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -285,6 +285,29 @@ CachedIndex parse_cached_index(std::string_view text, const std::filesystem::pat
     entry.size = static_cast<std::uint64_t>(integer(member(*it, "size", "empty_prompt", path), "empty_prompt.size", path, 8));
     parsed.empty_prompt = std::move(entry);
   }
+  if (auto it = index.find("validation_prompts"); it != index.end()) {
+    if (version < 2)
+      SDXL_BAD_FILE(path, "field 'validation_prompts' needs format version 2, the index says version ", version);
+    ShardRecord entry;
+    entry.file = string_field(member(*it, "file", "validation_prompts", path), "validation_prompts.file", path);
+    if (!is_plain_file_name(entry.file))
+      SDXL_BAD_FILE(path, "validation_prompts.file '", entry.file,
+                    "' must be a file name inside the dataset directory");
+    for (const ShardRecord& shard : parsed.shards)
+      if (shard.file == entry.file)
+        SDXL_BAD_FILE(path, "validation_prompts.file '", entry.file, "' is also listed as a shard");
+    if (parsed.empty_prompt && parsed.empty_prompt->file == entry.file)
+      SDXL_BAD_FILE(path, "validation_prompts.file '", entry.file, "' is also the empty prompt's file");
+    entry.size = static_cast<std::uint64_t>(
+        integer(member(*it, "size", "validation_prompts", path), "validation_prompts.size", path, 8));
+    const Json& prompts = member(*it, "prompts", "validation_prompts", path);
+    if (!prompts.is_array() || prompts.empty())
+      SDXL_BAD_FILE(path, "field 'validation_prompts.prompts' must be a non-empty array of strings");
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      parsed.validation_prompt_texts.push_back(
+          string_field(prompts[i], "validation_prompts.prompts[" + std::to_string(i) + "]", path));
+    parsed.validation_prompts = std::move(entry);
+  }
   return parsed;
 }
 
@@ -304,26 +327,33 @@ void CachedDataset::load_index() {
   shards_ = std::move(parsed.shards);
   records_ = std::move(parsed.records);
   if (parsed.empty_prompt) load_empty_prompt(*parsed.empty_prompt);
+  if (parsed.validation_prompts)
+    load_validation_prompts(*parsed.validation_prompts, std::move(parsed.validation_prompt_texts));
 }
 
-void CachedDataset::load_empty_prompt(const ShardRecord& entry) {
-  const std::filesystem::path path = directory_ / entry.file;
+namespace {
+
+// Reads a small conditioning file of the dataset (the empty prompt, the
+// validation prompts) whole, after checking its size against index.json and
+// against what `rows` prompts in F32 and a header need; returns its two
+// tensors as float32 with `rows` leading (none when rows is 0).
+std::pair<std::vector<float>, std::vector<float>> read_conditioning_file(const std::filesystem::path& path,
+                                                                        const ShardRecord& entry,
+                                                                        const TextDims& dims, std::int64_t rows,
+                                                                        const char* what) {
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error))
-    SDXL_BAD_FILE(path, "missing (index.json names it as the empty prompt's conditioning, ", entry.size,
-                  " bytes)");
+    SDXL_BAD_FILE(path, "missing (index.json names it as ", what, ", ", entry.size, " bytes)");
   const std::uint64_t size = std::filesystem::file_size(path, error);
   if (error) SDXL_BAD_FILE(path, "cannot stat: ", error.message());
   if (size != entry.size)
     SDXL_BAD_FILE(path, "is ", size, " bytes but index.json records ", entry.size,
                   " (truncated, or replaced after the index was written)");
-  // Bounded before reading: F32 values at most, plus room for the header.
-  const std::uint64_t most = 4 * static_cast<std::uint64_t>(text_dims_.sequence_length * text_dims_.width +
-                                                             text_dims_.pooled_width) + 65536;
+  const std::uint64_t per_row = static_cast<std::uint64_t>(dims.sequence_length * dims.width + dims.pooled_width);
+  const std::uint64_t most = 4 * per_row * static_cast<std::uint64_t>(std::max<std::int64_t>(rows, 1)) + 65536;
   if (size > most)
-    SDXL_BAD_FILE(path, "is ", size, " bytes, more than the ", most, " that the text dims ", text_dims_,
+    SDXL_BAD_FILE(path, "is ", size, " bytes, more than the ", most, " that the text dims ", dims,
                   " in F32 and a header need");
-  // Small (SDXL: 77 x 2048 + 1280 values): read whole, into memory, once.
   std::ifstream in(path, std::ios::binary);
   if (!in) SDXL_BAD_FILE(path, "cannot be read");
   std::vector<std::byte> bytes(static_cast<std::size_t>(size));
@@ -334,20 +364,43 @@ void CachedDataset::load_empty_prompt(const ShardRecord& entry) {
   if (file.tensors().size() != 2)
     SDXL_BAD_FILE(path, "holds ", file.tensors().size(),
                   " tensors, expected 2 (prompt_embeds and pooled_prompt_embeds)");
-  auto values = [&](const char* name, const std::vector<std::int64_t>& expected) {
+  auto values = [&](const char* name, std::vector<std::int64_t> expected) {
+    if (rows > 0) expected.insert(expected.begin(), rows);
     const zero::io::TensorInfo* info = file.find(name);
     if (!info) SDXL_BAD_FILE(path, "no tensor '", name, "'");
     const std::optional<zero::DType> dtype = zero::io::to_dtype(info->dtype);
     if (!dtype) SDXL_BAD_FILE(path, "tensor '", name, "' has dtype ", info->dtype, ", expected F16, BF16 or F32");
     if (info->shape != expected)
       SDXL_BAD_FILE(path, "tensor '", name, "' has shape ", shape_text(info->shape), ", expected ",
-                    shape_text(expected), " (the dataset's text dims, from index.json)");
+                    shape_text(expected), " (the dataset's text dims", rows > 0 ? " and prompt count" : "",
+                    ", from index.json)");
     return file.read_as_float32(name);
   };
+  auto embeds = values("prompt_embeds", {dims.sequence_length, dims.width});
+  auto pooled = values("pooled_prompt_embeds", {dims.pooled_width});
+  return {std::move(embeds), std::move(pooled)};
+}
+
+}  // namespace
+
+void CachedDataset::load_empty_prompt(const ShardRecord& entry) {
+  auto [embeds, pooled] =
+      read_conditioning_file(directory_ / entry.file, entry, text_dims_, 0, "the empty prompt's conditioning");
   EmptyPrompt empty;
-  empty.prompt_embeds = values("prompt_embeds", {text_dims_.sequence_length, text_dims_.width});
-  empty.pooled_prompt_embeds = values("pooled_prompt_embeds", {text_dims_.pooled_width});
+  empty.prompt_embeds = std::move(embeds);
+  empty.pooled_prompt_embeds = std::move(pooled);
   empty_prompt_ = std::move(empty);
+}
+
+void CachedDataset::load_validation_prompts(const ShardRecord& entry, std::vector<std::string> prompts) {
+  auto [embeds, pooled] = read_conditioning_file(directory_ / entry.file, entry, text_dims_,
+                                                 static_cast<std::int64_t>(prompts.size()),
+                                                 "the validation prompts' conditioning");
+  ValidationPrompts validation;
+  validation.prompts = std::move(prompts);
+  validation.prompt_embeds = std::move(embeds);
+  validation.pooled_prompt_embeds = std::move(pooled);
+  validation_prompts_ = std::move(validation);
 }
 
 void CachedDataset::validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members) {

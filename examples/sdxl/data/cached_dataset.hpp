@@ -1,5 +1,5 @@
 // The cached SDXL dataset on disk: VAE latents and text-encoder outputs
-// computed once (tools/prepare_dataset.py, or CachedDatasetWriter), so that
+// computed once (examples/sdxl/prepare, or CachedDatasetWriter), so that
 // training runs only the UNet. The format is specified in docs/dataset.md:
 //
 //   <dir>/index.json                 format, text dims, shards, per-sample records
@@ -36,6 +36,9 @@ inline constexpr int kCachedFormatOldestVersion = 1;
 /// [seq, width] and pooled_prompt_embeds [pooled]), named in index.json.
 inline constexpr const char* kEmptyPromptFileName = "empty_prompt.safetensors";
 inline constexpr const char* kIndexFileName = "index.json";
+/// The file holding the validation prompts' conditioning (version 2,
+/// optional): prompt_embeds [P, seq, width], pooled_prompt_embeds [P, pooled].
+inline constexpr const char* kValidationPromptsFileName = "validation_prompts.safetensors";
 
 /// The per-sample record of index.json.
 struct SampleRecord {
@@ -73,6 +76,10 @@ struct CachedIndex {
   std::vector<SampleRecord> records;
   /// index.json's optional "empty_prompt" (version 2): file and byte size.
   std::optional<ShardRecord> empty_prompt;
+  /// index.json's optional "validation_prompts" (version 2): file, byte size
+  /// and the prompts' text, in the order of the tensors' rows.
+  std::optional<ShardRecord> validation_prompts;
+  std::vector<std::string> validation_prompt_texts;
 };
 
 /// Parses and validates the text of index.json (schema, shard names, sample
@@ -109,6 +116,9 @@ class CachedDataset final : public Dataset {
   Sample sample(std::size_t i) const override;
   TextDims text_dims() const override { return text_dims_; }
   const EmptyPrompt* empty_prompt() const override { return empty_prompt_ ? &*empty_prompt_ : nullptr; }
+  const ValidationPrompts* validation_prompts() const override {
+    return validation_prompts_ ? &*validation_prompts_ : nullptr;
+  }
 
   const std::filesystem::path& directory() const noexcept { return directory_; }
   const SampleRecord& record(std::size_t i) const;
@@ -130,6 +140,7 @@ class CachedDataset final : public Dataset {
 
   void load_index();
   void load_empty_prompt(const ShardRecord& entry);
+  void load_validation_prompts(const ShardRecord& entry, std::vector<std::string> prompts);
   void validate_shard(std::size_t shard_index, const std::vector<std::size_t>& members);
   /// Throws IoError unless shard `shard` still has the size index.json records.
   void check_shard_size(std::size_t shard, std::size_t sample_index) const;
@@ -146,6 +157,7 @@ class CachedDataset final : public Dataset {
   std::vector<SampleLocation> locations_;  // per sample, parallel to records_
   std::vector<int> shard_fds_;              // per shard, -1 until opened; closed by the destructor
   std::optional<EmptyPrompt> empty_prompt_;
+  std::optional<ValidationPrompts> validation_prompts_;
 };
 
 struct CachedDatasetWriterOptions {

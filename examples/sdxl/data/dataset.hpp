@@ -84,6 +84,16 @@ struct EmptyPrompt {
   std::vector<float> pooled_prompt_embeds;
 };
 
+/// Prompts cached for the trainer's validation images: their text and what
+/// the two text encoders give for them, row-major float32:
+/// prompt_embeds [P, sequence_length, width], pooled_prompt_embeds
+/// [P, pooled_width], P = prompts.size().
+struct ValidationPrompts {
+  std::vector<std::string> prompts;
+  std::vector<float> prompt_embeds;
+  std::vector<float> pooled_prompt_embeds;
+};
+
 /// A random-access collection of samples.
 ///
 /// sample() and bucket_of() are const and may be called from several threads
@@ -101,6 +111,8 @@ class Dataset {
   /// The dataset's empty-prompt conditioning, or nullptr when it carries none
   /// (cached datasets written before it was part of the format).
   virtual const EmptyPrompt* empty_prompt() const { return nullptr; }
+  /// The dataset's cached validation prompts, or nullptr when it carries none.
+  virtual const ValidationPrompts* validation_prompts() const { return nullptr; }
 
   /// Every sample's bucket, in index order (what the sampler consumes).
   std::vector<LatentSize> buckets() const {

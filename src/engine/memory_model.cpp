@@ -43,9 +43,11 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   h.params = plan.params_on_host ? (shard + frozen_shard) * plan.param_bytes() : 0;
   // The gradient shard copied down, and (unless the CPU writes offloaded
   // parameters in place) the updated model-dtype shard copied back up; the
-  // delayed update reads and writes one pair while backward streams into the other.
+  // delayed update reads and writes one pair while backward streams into the
+  // other. With offloaded parameters it writes a second host parameter
+  // shard while the gathers read the first.
   h.buffers = shard * (plan.grad_bytes() + (plan.params_on_host ? 0 : plan.param_bytes()));
-  if (plan.delayed_update) h.buffers *= 2;
+  if (plan.delayed_update) h.buffers = 2 * h.buffers + (plan.params_on_host ? shard * plan.param_bytes() : 0);
   return h;
 }
 

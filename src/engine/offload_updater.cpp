@@ -47,8 +47,7 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   u.grad_dtype = m_.gdt;
   u.state0 = m_.state0 ? m_.state0 + at : nullptr;
   u.state1 = m_.state1 ? m_.state1 + at : nullptr;
-  // Offloaded parameters are updated where they live; nothing goes up.
-  u.model_copy = m_.plan.params_on_host ? m_.param_shard + at * m_.p_size : copy + at * m_.p_size;
+  u.model_copy = copy + at * m_.p_size;
   u.model_dtype = m_.pdt;
   u.count = bucket.shard_size;
   // In slices that fit the CPU's last-level cache, so the EMA reads the
@@ -103,7 +102,8 @@ void OffloadUpdater::update_now(const UpdateArgs& args) {
         be.release_event(down[b]);
         down[b] = nullptr;
       }
-      update_bucket(b, args, grad_host_, copy_host_);
+      // Offloaded parameters are updated where they live; nothing goes up.
+      update_bucket(b, args, grad_host_, m_.plan.params_on_host ? m_.param_shard : copy_host_);
       if (!m_.plan.params_on_host) upload_bucket(b, copy_host_);
     }
   } catch (...) {

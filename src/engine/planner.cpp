@@ -209,7 +209,7 @@ double Plan::seconds_per_step() const {
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;
   gpu *= input.engine.accumulation_steps;
-  double offload = 0;
+  double offload = 0, gathers = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
     // Transfers overlap the CPU update bucket by bucket: the slower one
@@ -220,10 +220,12 @@ double Plan::seconds_per_step() const {
     offload = std::max(shard * ranks_per_host / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
-    if (input.engine.offload.params) offload += 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
+    if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
   }
-  // A delayed update runs beside the next step's device work: the slower counts.
-  const double step = input.engine.offload.delayed_update ? std::max(gpu, offload) : gpu + offload;
+  // A delayed update runs beside the next step's device work (the gathers'
+  // uploads included, which it does not hide): the slower counts.
+  const double step =
+      input.engine.offload.delayed_update ? std::max(gpu + gathers, offload) : gpu + gathers + offload;
   return step;
 }
 
@@ -366,7 +368,8 @@ std::string Plan::table() const {
   line(out, "master (fp32)", host_state.master * ranks_per_host);
   line(out, "optimizer state", host_state.optimizer_state * ranks_per_host);
   line(out, "ema", host_state.ema * ranks_per_host);
-  line(out, in.engine.offload.params ? "staging (grad)" : "staging (grad + param copy)", host_state.buffers * ranks_per_host);
+  line(out, !in.engine.offload.params ? "staging (grad + param copy)"
+           : in.engine.offload.delayed_update ? "staging (grad, second param shard)" : "staging (grad)", host_state.buffers * ranks_per_host);
   line(out, "total", host_per_host());
   char sent[256];
   std::snprintf(sent, sizeof sent,
@@ -421,10 +424,10 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
           for (bool delayed : {false, true}) {
             if (offload.optimizer && stage == 0) continue;
             if (offload.params && stage != 3) continue;
-            // The engine runs the delayed update with offload_optimizer, one
-            // micro-step per step and no offload_params only. Without a
+            // The engine runs the delayed update with offload_optimizer (any
+            // accumulation, with or without offload_params). Without a
             // global batch the base's choice is kept where it is allowed.
-            const bool allowed = offload.optimizer && !offload.params && accumulation == 1;
+            const bool allowed = offload.optimizer;
             const bool wanted = options.global_batch > 0 ? delayed : base.engine.offload.delayed_update;
             if (delayed != (wanted && allowed)) continue;
             PlanInput in = base;

@@ -67,10 +67,12 @@ void DelayedOffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
     OffloadUpdater::apply(args, result);  // the warm-up updates synchronously
     return;
   }
+  join_ema();  // a warm-up step's EMA reads the master this update writes
   start(args);  // joined and uploaded at the next step()
 }
 
 void DelayedOffloadUpdater::settle() {
+  join_ema();
   join();
   upload();
 }
@@ -143,7 +145,7 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
       if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
       for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
-        update_bucket(b, args, grads, copy);
+        update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
       }
     } catch (...) {
       error_ = std::current_exception();

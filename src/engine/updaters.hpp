@@ -30,19 +30,28 @@ class OffloadUpdater : public Updater {
   explicit OffloadUpdater(Engine::Impl& engine);
   ~OffloadUpdater() override;
   void apply(const UpdateArgs& args, StepResult& result) override;
+  void settle() override { join_ema(); }
   std::byte* host_gradients() override { return grad_host_; }
   void parameters_from_master() override;
 
  protected:
   void initialize_ema();
   /// The whole synchronous update: gradients down (unless streamed), the CPU
-  /// update of each bucket, its parameters up and gathered.
+  /// update of each bucket (master and state; the EMA follows on its own
+  /// thread), its parameters up and gathered.
   void update_now(const UpdateArgs& args);
+  /// The synchronous update's EMA of the new master weights, on a background
+  /// thread while the next forward and backward run: the same per-element
+  /// kernel on the same values as inside the update, so the same bits.
+  void start_ema(double decay);
+  /// Waits for that EMA (before the master is written again or anything
+  /// reads the state); rethrows what it threw.
+  void join_ema();
   /// The CPU update of this rank's slice of bucket b from the gradient shard
-  /// `grads`: master, state and EMA, and the model-dtype values written to
+  /// `grads`: master, state and (with_ema) EMA, and the model-dtype values written to
   /// the shard `copy` (a staging shard, or with offloaded parameters the
   /// host parameter shard itself or, delayed, its second copy).
-  void update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy);
+  void update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy, bool with_ema);
   /// Bucket b's updated model-dtype slice from `copy` up into this rank's
   /// place; stages 1-2 then start its all-gather (left in flight).
   void upload_bucket(std::size_t b, const std::byte* copy);
@@ -52,6 +61,8 @@ class OffloadUpdater : public Updater {
   Engine::Impl& m_;
   std::byte* grad_host_ = nullptr;  // the reduced gradient shard, copied down
   std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
+  std::thread ema_thread_;
+  std::exception_ptr ema_error_;
 };
 
 /// The delayed parameter update (EngineOptions::offload.delayed_update): two

@@ -6,10 +6,11 @@
 //
 // What the background update reads and writes is never what the device
 // touches meanwhile:
-//   - gradients: two host shards. With one micro-step, backward streams into
+//   - gradients: with one micro-step, two host shards: backward streams into
 //     one while the update reads the other. With several, the reduced
 //     gradients accumulate on the device; start() queues their download into
-//     a host shard, and the update waits for each bucket's copy to land.
+//     the one host shard (the last update was joined before), and the update
+//     waits for each bucket's copy to land.
 //   - parameters: two staging copies (the update writes one while the other
 //     may still be going up) or, with offload_params, two host parameter
 //     shards: the gathers read Impl::param_shard, the update writes the
@@ -26,7 +27,10 @@ namespace zero::detail {
 
 DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpdater(engine) {
   const std::size_t shard = m_.layout.shard_numel();
-  grad_host_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
+  // Streamed gradients need a second shard for the next backward; with
+  // several micro-steps they go down only at step(), after the join: one
+  // pinned shard serves both.
+  if (m_.plan.streams_grads_to_host) grad_host_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
   // Zeroed like param_shard: the update rewrites every trained slice, and the
   // all-padding slices stay zero in both.
   if (m_.plan.params_on_host) {
@@ -105,11 +109,11 @@ void DelayedOffloadUpdater::release_downloads() {
 
 void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   ZERO_ASSERT(!thread_.joinable(), "a delayed update is already running");
-  std::swap(grad_host_, grad_host_spare_);
-  // The shard this step's backward streamed into, or the one the
-  // accumulated gradients now go down into.
-  std::byte* grads = grad_host_spare_;
-  if (!m_.plan.streams_grads_to_host) download_accumulated(grads);
+  // The shard this step's backward streamed into (the next one streams into
+  // the other), or the one the accumulated gradients now go down into.
+  std::byte* grads = grad_host_;
+  if (m_.plan.streams_grads_to_host) std::swap(grad_host_, grad_host_spare_);
+  else download_accumulated(grads);
   std::byte* copy;
   if (m_.plan.params_on_host) {
     // The spare shard is the one this step's gathers read (swapped out at

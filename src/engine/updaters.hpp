@@ -66,8 +66,9 @@ class OffloadUpdater : public Updater {
 };
 
 /// The delayed parameter update (EngineOptions::offload.delayed_update): two
-/// gradient shards (backward streams, or the accumulated gradients go down,
-/// into one while the update reads the other) and two parameter copies (the
+/// gradient shards with one micro-step (backward streams into one while the
+/// update reads the other; with several the gradients go down at step(), into
+/// the one) and two parameter copies (the
 /// update writes one while the other may still be going up, or, with
 /// offloaded parameters, is what the gathers read).
 class DelayedOffloadUpdater final : public OffloadUpdater {
@@ -92,7 +93,7 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   /// offloaded parameters makes the updated host shard the one gathered.
   void upload();
 
-  std::byte* grad_host_spare_ = nullptr;
+  std::byte* grad_host_spare_ = nullptr;  // one micro-step: the shard backward streams into next
   std::array<std::byte*, 2> copies_{};    // staging copies (parameters on the device)
   std::byte* params_spare_ = nullptr;     // offloaded parameters: the host shard not gathered now
   std::array<Event, 2> copy_uploaded_{};  // the last upload out of copies_[i]

@@ -101,10 +101,13 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         CHECK(bitwise_equal(delayed.gather_optimizer_state(0), sync.gather_optimizer_state(0)));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(1), sync.gather_optimizer_state(1)));
         CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
-        // One more gradient shard, and one more parameter copy: a staging
-        // copy, or with offload_params a second host parameter shard.
-        CHECK(delayed.host_memory().buffers ==
-              2 * sync.host_memory().buffers + (c.offload_params ? sync.host_memory().params : 0));
+        // One more gradient shard where backward streams into one (one
+        // micro-step), and one more parameter copy: a staging copy, or with
+        // offload_params a second host parameter shard.
+        const std::size_t shard = delayed.layout().shard_numel();
+        const std::size_t grad_shard = shard * size_of(o.effective_grad_dtype());
+        CHECK(delayed.host_memory().buffers == sync.host_memory().buffers + shard * size_of(dtype) +
+                                                   (c.accumulation == 1 ? grad_shard : 0));
         CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
       }
 }

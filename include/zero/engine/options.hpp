@@ -78,9 +78,9 @@ struct OffloadOptions {
   /// step; master weights, state and EMA are exact). Anything that reads or
   /// writes the state (save_state, load_state, set_param, gather_*) first
   /// completes the pending update and uploads it. Host memory: one more
-  /// gradient and one more parameter staging shard (with `params`: a second
-  /// host parameter shard, which the update writes while the gathers read
-  /// the other).
+  /// gradient shard (one micro-step only) and one more parameter staging
+  /// shard (with `params`: a second host parameter shard, which the update
+  /// writes while the gathers read the other).
   bool delayed_update = false;
   /// With delayed_update: the first this-many applied steps update
   /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).

@@ -253,7 +253,7 @@ std::vector<Option> options_of(TrainConfig& c) {
        "stage 3 with offload_optimizer: keep the parameter shards in pinned host memory as well (only gathered units on the GPU)"},
       {"zero", "offload_delayed_update", &c.offload_delayed_update,
        "with offload_optimizer: run the CPU update while the next step computes (ZeRO-Offload's delayed parameter "
-       "update: each forward sees the parameters one update old)"},
+       "update: each forward sees the parameters one update old; any accumulation, with or without offload_params)"},
       {"zero", "delayed_update_warmup", &c.delayed_update_warmup,
        "with offload_delayed_update: this many first steps update synchronously"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
@@ -561,10 +561,11 @@ void TrainConfig::validate() const {
   ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
              "offload_params needs stage = 3 and offload_optimizer = true, got stage ", stage,
              offload_optimizer ? "" : " without offload_optimizer");
-  ZERO_CHECK(!offload_delayed_update || (offload_optimizer && !offload_params && accumulation == 1),
-             "offload_delayed_update needs offload_optimizer = true, offload_params = false and accumulation = 1, got ",
-             offload_optimizer ? "" : "offload_optimizer = false, ", offload_params ? "offload_params = true, " : "",
-             "accumulation = ", accumulation);
+  // Any accumulation and offload_params are fine (the engine double-buffers
+  // what the background update writes).
+  ZERO_CHECK(!offload_delayed_update || offload_optimizer,
+             "offload_delayed_update needs offload_optimizer = true (the delayed update is the CPU optimizer's), got "
+             "offload_optimizer = false");
   ZERO_CHECK(delayed_update_warmup >= 0 && delayed_update_warmup <= std::numeric_limits<int>::max(),
              "delayed_update_warmup must be >= 0, got ", delayed_update_warmup);
   if (!max_gpu_memory.empty()) {

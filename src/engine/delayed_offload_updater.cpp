@@ -3,6 +3,18 @@
 // update then runs on a background thread while the next forward and
 // backward run on the device, and is joined, and its parameters sent up, at
 // the next step() (or before anything reads or writes the state).
+//
+// What the background update reads and writes is never what the device
+// touches meanwhile:
+//   - gradients: with one micro-step, two host shards: backward streams into
+//     one while the update reads the other. With several, the reduced
+//     gradients accumulate on the device; start() queues their download into
+//     the one host shard (the last update was joined before), and the update
+//     waits for each bucket's copy to land.
+//   - parameters: two staging copies (the update writes one while the other
+//     may still be going up) or, with offload_params, two host parameter
+//     shards: the gathers read Impl::param_shard, the update writes the
+//     other, and the two are swapped when the update is joined.
 #include <omp.h>
 
 #include <algorithm>
@@ -15,13 +27,24 @@ namespace zero::detail {
 
 DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpdater(engine) {
   const std::size_t shard = m_.layout.shard_numel();
-  copies_[0] = copy_host_;
-  grad_host_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
-  copies_[1] = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  // Streamed gradients need a second shard for the next backward; with
+  // several micro-steps they go down only at step(), after the join: one
+  // pinned shard serves both.
+  if (m_.plan.streams_grads_to_host) grad_host_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
+  // Zeroed like param_shard: the update rewrites every trained slice, and the
+  // all-padding slices stay zero in both.
+  if (m_.plan.params_on_host) {
+    params_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  } else {
+    copies_[0] = copy_host_;
+    copies_[1] = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  }
+  grad_downloaded_.assign(m_.layout.buckets().size(), nullptr);
 }
 
 DelayedOffloadUpdater::~DelayedOffloadUpdater() {
   if (thread_.joinable()) thread_.join();  // its error, if any, has no one left to go to
+  release_downloads();
   for (Event& e : copy_uploaded_)
     if (e) {
       m_.backend.wait_event(e);
@@ -30,6 +53,7 @@ DelayedOffloadUpdater::~DelayedOffloadUpdater() {
   const std::size_t shard = m_.layout.shard_numel();
   m_.pool.free_host(grad_host_spare_, shard * m_.g_size);
   m_.pool.free_host(copies_[1], shard * m_.p_size);
+  m_.pool.free_host(params_spare_, shard * m_.p_size);
 }
 
 void DelayedOffloadUpdater::finish_previous(StepResult& result) {
@@ -47,36 +71,86 @@ void DelayedOffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
     OffloadUpdater::apply(args, result);  // the warm-up updates synchronously
     return;
   }
-  initialize_ema();
+  join_ema();  // a warm-up step's EMA reads the master this update writes
   start(args);  // joined and uploaded at the next step()
 }
 
 void DelayedOffloadUpdater::settle() {
+  join_ema();
   join();
   upload();
 }
 
+void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
+  Backend& be = m_.backend;
+  const auto& buckets = m_.layout.buckets();
+  const Stream transfer = be.comm_stream();
+  // The statistics were read on the compute stream; the accumulator was
+  // last written on the comm stream, where the copies queue behind it.
+  m_.order_after(transfer, be.compute_stream());
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    be.copy(grads + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b), buckets[b].shard_size * m_.g_size,
+            transfer);
+    grad_downloaded_[b] = be.record_event(transfer);
+  }
+  // reset_gradients zeroes the shard accumulator on the comm stream, behind
+  // these copies, so the next forward does not wait for them. Reduced in
+  // place (stage 1, reducing at the boundary), the gradients live in the
+  // full buffer that backward writes on the compute stream: that waits.
+  if (m_.plan.reduces_in_place()) m_.order_after(be.compute_stream(), transfer);
+}
+
+void DelayedOffloadUpdater::release_downloads() {
+  for (Event& e : grad_downloaded_) {
+    m_.backend.release_event(e);
+    e = nullptr;
+  }
+}
+
 void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   ZERO_ASSERT(!thread_.joinable(), "a delayed update is already running");
-  std::swap(grad_host_, grad_host_spare_);
-  const std::byte* grads = grad_host_spare_;
-  update_copy_ ^= 1;
-  if (copy_uploaded_[update_copy_]) {  // queued a step ago: normally long done
-    m_.backend.wait_event(copy_uploaded_[update_copy_]);
-    m_.backend.release_event(copy_uploaded_[update_copy_]);
-    copy_uploaded_[update_copy_] = nullptr;
+  // The shard this step's backward streamed into (the next one streams into
+  // the other), or the one the accumulated gradients now go down into.
+  std::byte* grads = grad_host_;
+  if (m_.plan.streams_grads_to_host) std::swap(grad_host_, grad_host_spare_);
+  else download_accumulated(grads);
+  std::byte* copy;
+  if (m_.plan.params_on_host) {
+    // The spare shard is the one this step's gathers read (swapped out at
+    // the join): they are done (the statistics waited for the reductions
+    // queued after them), which the event makes certain before it is rewritten.
+    Event gathered = m_.backend.record_event(m_.backend.comm_stream());
+    m_.backend.wait_event(gathered);
+    m_.backend.release_event(gathered);
+    copy = params_spare_;
+  } else {
+    update_copy_ ^= 1;
+    if (copy_uploaded_[update_copy_]) {  // queued a step ago: normally long done
+      m_.backend.wait_event(copy_uploaded_[update_copy_]);
+      m_.backend.release_event(copy_uploaded_[update_copy_]);
+      copy_uploaded_[update_copy_] = nullptr;
+    }
+    copy = copies_[update_copy_];
   }
-  std::byte* copy = copies_[update_copy_];
+  // The average starts at the weights before the first update: copied on
+  // the background thread too, before that update writes the master.
+  const bool first_ema = m_.ema && !m_.ema_initialized;
+  m_.ema_initialized = m_.ema_initialized || first_ema;
   upload_pending_ = true;
   error_ = nullptr;
   // The thread keeps its own copy of the arguments (the optimizer options
-  // outlive it: they are the engine's).
-  thread_ = std::thread([this, args, grads, copy] {
+  // outlive it: they are the engine's) and of the download events (released
+  // at the join, on this thread).
+  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_] {
     const auto start = std::chrono::steady_clock::now();
     try {
-      // Leave a core to the thread that drives the device meanwhile.
+      // Leave a core to the thread that drives the device.
       omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
-      for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) update_bucket(b, args, grads, copy);
+      if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
+      for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
+        if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
+        update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
+      }
     } catch (...) {
       error_ = std::current_exception();
     }
@@ -89,6 +163,7 @@ double DelayedOffloadUpdater::join() {
   const auto start = std::chrono::steady_clock::now();
   thread_.join();
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  release_downloads();
   if (error_) {
     upload_pending_ = false;
     std::rethrow_exception(std::exchange(error_, nullptr));
@@ -99,6 +174,13 @@ double DelayedOffloadUpdater::join() {
 void DelayedOffloadUpdater::upload() {
   if (!upload_pending_) return;
   ZERO_ASSERT(!thread_.joinable(), "upload before the delayed update was joined");
+  if (m_.plan.params_on_host) {
+    // The gathers from now on read the updated shard; the old one is the
+    // next update's to write.
+    std::swap(m_.param_shard, params_spare_);
+    upload_pending_ = false;
+    return;
+  }
   // The device may still be running backward, which reads the parameters.
   m_.order_after(m_.backend.comm_stream(), m_.backend.compute_stream());
   for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) upload_bucket(b, copies_[update_copy_]);

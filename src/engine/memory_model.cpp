@@ -42,10 +42,14 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   h.ema = plan.ema ? shard * 4 : 0;
   h.params = plan.params_on_host ? (shard + frozen_shard) * plan.param_bytes() : 0;
   // The gradient shard copied down, and (unless the CPU writes offloaded
-  // parameters in place) the updated model-dtype shard copied back up; the
-  // delayed update reads and writes one pair while backward streams into the other.
-  h.buffers = shard * (plan.grad_bytes() + (plan.params_on_host ? 0 : plan.param_bytes()));
-  if (plan.delayed_update) h.buffers *= 2;
+  // parameters in place) the updated model-dtype shard copied back up. The
+  // delayed update reads one gradient shard while backward streams into a
+  // second (one micro-step; with several, they go down after the join into
+  // the one), and writes one parameter copy while the other goes up or, with
+  // offloaded parameters, a second host parameter shard while the gathers read the first.
+  const std::size_t grad_shards = plan.delayed_update && plan.streams_grads_to_host ? 2 : 1;
+  const std::size_t param_copies = (plan.params_on_host ? 0 : 1) + (plan.delayed_update ? 1 : 0);
+  h.buffers = shard * (grad_shards * plan.grad_bytes() + param_copies * plan.param_bytes());
   return h;
 }
 

@@ -5,8 +5,11 @@
 // into this rank's slice. All transfers are queued on the comm stream up
 // front or as each bucket is done, so bucket b's update overlaps b+1's
 // download and b-1's upload.
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "updaters.hpp"
 
@@ -19,6 +22,7 @@ OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
 }
 
 OffloadUpdater::~OffloadUpdater() {
+  if (ema_thread_.joinable()) ema_thread_.join();  // its error, if any, has no one left to go to
   const std::size_t shard = m_.layout.shard_numel();
   m_.pool.free_host(grad_host_, shard * m_.g_size);
   m_.pool.free_host(copy_host_, shard * m_.p_size);
@@ -32,13 +36,41 @@ void OffloadUpdater::initialize_ema() {
 }
 
 void OffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
-  initialize_ema();
   const auto start = std::chrono::steady_clock::now();
+  join_ema();  // the last step's EMA read the master this update writes
+  initialize_ema();
   update_now(args);
   result.cpu_update_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  start_ema(args.ema_decay);
 }
 
-void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy) {
+void OffloadUpdater::start_ema(double decay) {
+  if (!m_.ema) return;
+  ZERO_ASSERT(!ema_thread_.joinable(), "an EMA update is already running");
+  ema_error_ = nullptr;
+  ema_thread_ = std::thread([this, decay] {
+    try {
+      // Leave a core to the thread that drives the device.
+      omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+      // In the update's slices (the kernel is element-wise: the same bits in any cut).
+      constexpr std::size_t kSlice = std::size_t{2} << 20;
+      const std::size_t n = m_.layout.shard_numel();
+      for (std::size_t lo = 0; lo < n; lo += kSlice)
+        m_.backend.host_ema_update(m_.ema + lo, m_.master + lo, std::min(kSlice, n - lo), decay);
+    } catch (...) {
+      ema_error_ = std::current_exception();
+    }
+  });
+}
+
+void OffloadUpdater::join_ema() {
+  if (!ema_thread_.joinable()) return;
+  ema_thread_.join();
+  if (ema_error_) std::rethrow_exception(std::exchange(ema_error_, nullptr));
+}
+
+void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy,
+                                   bool with_ema) {
   const Bucket& bucket = m_.layout.buckets()[b];
   const std::size_t at = bucket.shard_offset;
   ShardUpdate u;
@@ -47,8 +79,7 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   u.grad_dtype = m_.gdt;
   u.state0 = m_.state0 ? m_.state0 + at : nullptr;
   u.state1 = m_.state1 ? m_.state1 + at : nullptr;
-  // Offloaded parameters are updated where they live; nothing goes up.
-  u.model_copy = m_.plan.params_on_host ? m_.param_shard + at * m_.p_size : copy + at * m_.p_size;
+  u.model_copy = copy + at * m_.p_size;
   u.model_dtype = m_.pdt;
   u.count = bucket.shard_size;
   // In slices that fit the CPU's last-level cache, so the EMA reads the
@@ -61,7 +92,7 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
     for (std::size_t lo = s.begin; lo < s.begin + s.count; lo += kSlice) {
       const ShardUpdate part = u.slice(lo, std::min(kSlice, s.begin + s.count - lo));
       m_.backend.host_optimizer_step(group.optimizer, group.scalars, part);
-      if (m_.ema) m_.backend.host_ema_update(m_.ema + at + lo, part.master, part.count, args.ema_decay);
+      if (m_.ema && with_ema) m_.backend.host_ema_update(m_.ema + at + lo, part.master, part.count, args.ema_decay);
     }
   }
 }
@@ -103,7 +134,8 @@ void OffloadUpdater::update_now(const UpdateArgs& args) {
         be.release_event(down[b]);
         down[b] = nullptr;
       }
-      update_bucket(b, args, grad_host_, copy_host_);
+      // Offloaded parameters are updated where they live; nothing goes up.
+      update_bucket(b, args, grad_host_, m_.plan.params_on_host ? m_.param_shard : copy_host_, false);
       if (!m_.plan.params_on_host) upload_bucket(b, copy_host_);
     }
   } catch (...) {

@@ -212,7 +212,7 @@ double Plan::seconds_per_step() const {
   gpu *= input.engine.accumulation_steps;
   if (!input.engine.offload.optimizer)
     gpu += s.optimizer_seconds_per_step * size / (input.engine.stage == 0 ? 1.0 : input.world_size);
-  double offload = 0;
+  double offload = 0, gathers = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
     // Transfers overlap the CPU update bucket by bucket: the slower one
@@ -223,10 +223,12 @@ double Plan::seconds_per_step() const {
     offload = std::max(shard * ranks_per_host / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
-    if (input.engine.offload.params) offload += 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
+    if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
   }
-  // A delayed update runs beside the next step's device work: the slower counts.
-  const double step = input.engine.offload.delayed_update ? std::max(gpu, offload) : gpu + offload;
+  // A delayed update runs beside the next step's device work (the gathers'
+  // uploads included, which it does not hide): the slower counts.
+  const double step =
+      input.engine.offload.delayed_update ? std::max(gpu + gathers, offload) : gpu + gathers + offload;
   return step;
 }
 
@@ -369,7 +371,8 @@ std::string Plan::table() const {
   line(out, "master (fp32)", host_state.master * ranks_per_host);
   line(out, "optimizer state", host_state.optimizer_state * ranks_per_host);
   line(out, "ema", host_state.ema * ranks_per_host);
-  line(out, in.engine.offload.params ? "staging (grad)" : "staging (grad + param copy)", host_state.buffers * ranks_per_host);
+  line(out, !in.engine.offload.params ? "staging (grad + param copy)"
+           : in.engine.offload.delayed_update ? "staging (grad, second param shard)" : "staging (grad)", host_state.buffers * ranks_per_host);
   line(out, "total", host_per_host());
   char sent[256];
   std::snprintf(sent, sizeof sent,
@@ -424,10 +427,10 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
           for (bool delayed : {false, true}) {
             if (offload.optimizer && stage == 0) continue;
             if (offload.params && stage != 3) continue;
-            // The engine runs the delayed update with offload_optimizer, one
-            // micro-step per step and no offload_params only. Without a
+            // The engine runs the delayed update with offload_optimizer (any
+            // accumulation, with or without offload_params). Without a
             // global batch the base's choice is kept where it is allowed.
-            const bool allowed = offload.optimizer && !offload.params && accumulation == 1;
+            const bool allowed = offload.optimizer;
             const bool wanted = options.global_batch > 0 ? delayed : base.engine.offload.delayed_update;
             if (delayed != (wanted && allowed)) continue;
             PlanInput in = base;

@@ -104,7 +104,14 @@ void Engine::Impl::complete_all() {
 void Engine::Impl::reset_gradients() {
   const Stream compute = backend.compute_stream();
   if (grads_full) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
-  if (grad_shard) backend.fill_zero(grad_shard, layout.shard_numel() * g_size, compute);
+  // The shard accumulator is written only on the comm stream (reductions,
+  // accumulation), where a delayed update's download of it is queued too:
+  // zeroed there, after what the compute stream read of it (statistics, the
+  // on-device update), so the next forward need not wait for that download.
+  if (grad_shard) {
+    order_after(backend.comm_stream(), compute);
+    backend.fill_zero(grad_shard, layout.shard_numel() * g_size, backend.comm_stream());
+  }
   std::fill(accumulator_has_data.begin(), accumulator_has_data.end(), 0);
 }
 

@@ -34,11 +34,11 @@ void EngineOptions::validate() const {
              "EngineOptions.offload: offload_params needs stage 3 with offload_optimizer, got stage ", stage,
              offload.optimizer ? "" : " without offload_optimizer",
              " (below stage 3 every rank keeps the full parameters on the device)");
-  ZERO_CHECK(!offload.delayed_update || (offload.optimizer && accumulation_steps == 1 && !offload.params),
-             "EngineOptions.offload: offload_delayed_update needs offload_optimizer with accumulation_steps 1 and "
-             "without offload_params, got ",
-             offload.optimizer ? "" : "no offload_optimizer, ", "accumulation_steps ", accumulation_steps,
-             offload.params ? ", offload_params" : "");
+  // The delayed update works with any accumulation and with offload_params
+  // (DelayedOffloadUpdater double-buffers what the background update writes).
+  ZERO_CHECK(!offload.delayed_update || offload.optimizer,
+             "EngineOptions.offload: offload_delayed_update needs offload_optimizer (the delayed update is the "
+             "CPU optimizer's), got stage ", stage, " without offload_optimizer");
   ZERO_CHECK(offload.delayed_update_warmup_steps >= 0,
              "EngineOptions.offload.delayed_update_warmup_steps must be >= 0, got ",
              offload.delayed_update_warmup_steps);

@@ -30,18 +30,28 @@ class OffloadUpdater : public Updater {
   explicit OffloadUpdater(Engine::Impl& engine);
   ~OffloadUpdater() override;
   void apply(const UpdateArgs& args, StepResult& result) override;
+  void settle() override { join_ema(); }
   std::byte* host_gradients() override { return grad_host_; }
   void parameters_from_master() override;
 
  protected:
   void initialize_ema();
   /// The whole synchronous update: gradients down (unless streamed), the CPU
-  /// update of each bucket, its parameters up and gathered.
+  /// update of each bucket (master and state; the EMA follows on its own
+  /// thread), its parameters up and gathered.
   void update_now(const UpdateArgs& args);
+  /// The synchronous update's EMA of the new master weights, on a background
+  /// thread while the next forward and backward run: the same per-element
+  /// kernel on the same values as inside the update, so the same bits.
+  void start_ema(double decay);
+  /// Waits for that EMA (before the master is written again or anything
+  /// reads the state); rethrows what it threw.
+  void join_ema();
   /// The CPU update of this rank's slice of bucket b from the gradient shard
-  /// `grads`: master, state and EMA, and the model-dtype values written to
-  /// the staging shard `copy` or, with offloaded parameters, in place.
-  void update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy);
+  /// `grads`: master, state and (with_ema) EMA, and the model-dtype values written to
+  /// the shard `copy` (a staging shard, or with offloaded parameters the
+  /// host parameter shard itself or, delayed, its second copy).
+  void update_bucket(std::size_t b, const UpdateArgs& args, const std::byte* grads, std::byte* copy, bool with_ema);
   /// Bucket b's updated model-dtype slice from `copy` up into this rank's
   /// place; stages 1-2 then start its all-gather (left in flight).
   void upload_bucket(std::size_t b, const std::byte* copy);
@@ -51,12 +61,16 @@ class OffloadUpdater : public Updater {
   Engine::Impl& m_;
   std::byte* grad_host_ = nullptr;  // the reduced gradient shard, copied down
   std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
+  std::thread ema_thread_;
+  std::exception_ptr ema_error_;
 };
 
 /// The delayed parameter update (EngineOptions::offload.delayed_update): two
-/// gradient shards (backward streams into one while the update reads the
-/// other) and two parameter copies (the update writes one while the other
-/// may still be going up).
+/// gradient shards with one micro-step (backward streams into one while the
+/// update reads the other; with several the gradients go down at step(), into
+/// the one) and two parameter copies (the
+/// update writes one while the other may still be going up, or, with
+/// offloaded parameters, is what the gathers read).
 class DelayedOffloadUpdater final : public OffloadUpdater {
  public:
   explicit DelayedOffloadUpdater(Engine::Impl& engine);
@@ -66,17 +80,24 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   void settle() override;
 
  private:
-  /// Starts the CPU update of the gradients in grad_host_ on a background
-  /// thread; the next backward streams into the other gradient shard.
+  /// Starts the CPU update of this step's gradients on a background thread;
+  /// the next backward streams into the other gradient shard.
   void start(const UpdateArgs& args);
+  /// Several micro-steps: queues the device accumulator's download into
+  /// `grads` (an event per bucket, which the update waits for).
+  void download_accumulated(std::byte* grads);
+  void release_downloads();
   /// Waits for the background update; rethrows what it threw. Returns the seconds waited.
   double join();
-  /// Queues the finished update's parameters up (and their gathers).
+  /// Queues the finished update's parameters up (and their gathers), or with
+  /// offloaded parameters makes the updated host shard the one gathered.
   void upload();
 
-  std::byte* grad_host_spare_ = nullptr;
-  std::array<std::byte*, 2> copies_{};
+  std::byte* grad_host_spare_ = nullptr;  // one micro-step: the shard backward streams into next
+  std::array<std::byte*, 2> copies_{};    // staging copies (parameters on the device)
+  std::byte* params_spare_ = nullptr;     // offloaded parameters: the host shard not gathered now
   std::array<Event, 2> copy_uploaded_{};  // the last upload out of copies_[i]
+  std::vector<Event> grad_downloaded_;    // per bucket: the accumulated gradients are down
   int update_copy_ = 0;                   // the copy the running (or finished) update writes
   std::thread thread_;
   std::exception_ptr error_;

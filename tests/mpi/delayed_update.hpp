@@ -3,13 +3,56 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <string>
 #include <vector>
 
 #include "engine_steps.hpp"
 #include "mlp_training.hpp"
 
 namespace zero::testing {
+
+/// One configuration of the delayed update: where the gradients come from
+/// (streamed with one micro-step, or accumulated on the device and sent down
+/// at step()) and where the parameters live (offload_params: two host shards).
+struct DelayedCase {
+  int stage = 1;
+  bool offload_params = false;
+  int accumulation = 1;
+  GradAccumulation mode = GradAccumulation::reduce_each_micro_step;
+};
+
+inline std::vector<DelayedCase> delayed_cases() {
+  const auto each = GradAccumulation::reduce_each_micro_step, boundary = GradAccumulation::reduce_at_boundary;
+  return {
+      {1, false, 1, each}, {2, false, 1, each}, {3, false, 1, each},
+      // Several micro-steps: the accumulator (stage 1 reducing at the
+      // boundary: the full buffer, reduced in place) goes down at step().
+      {1, false, 2, boundary}, {2, false, 3, each}, {3, false, 2, each},
+      // Stage 3 with the parameters in host memory: the update writes the
+      // shard the gathers do not read.
+      {3, true, 1, each}, {3, true, 3, each},
+  };
+}
+
+inline EngineOptions delayed_options(const DelayedCase& c, DType dtype) {
+  EngineOptions o;
+  o.stage = c.stage;
+  o.param_dtype = dtype;
+  o.accumulation_steps = c.accumulation;
+  o.accumulation = c.mode;
+  o.buckets.alignment_elements = 4;
+  o.optimizer.kind = OptimizerKind::adamw;
+  o.optimizer.lr = 0.05;
+  o.optimizer.weight_decay = 0.01;
+  o.max_grad_norm = 1.0;
+  o.ema.decay = 0.9;
+  o.offload.optimizer = true;
+  o.offload.params = c.offload_params;
+  return o;
+}
 
 // The delayed update (ZeRO-Offload's DPU) changes one thing: the forward and
 // backward of step k see the parameters before update k-1 (the update runs
@@ -22,21 +65,15 @@ namespace zero::testing {
 inline void check_delayed_update(Communicator& comm, Backend& backend) {
   constexpr int kDelayedSteps = 7;
   for (DType dtype : {DType::fp32, DType::bf16})
-    for (int stage = 1; stage <= 3; ++stage)
+    for (const DelayedCase& c : delayed_cases())
       for (int warmup : {0, 2}) {
         CAPTURE(dtype);
-        CAPTURE(stage);
+        CAPTURE(c.stage);
+        CAPTURE(c.offload_params);
+        CAPTURE(c.accumulation);
+        CAPTURE(static_cast<int>(c.mode));
         CAPTURE(warmup);
-        EngineOptions o;
-        o.stage = stage;
-        o.param_dtype = dtype;
-        o.buckets.alignment_elements = 4;
-        o.optimizer.kind = OptimizerKind::adamw;
-        o.optimizer.lr = 0.05;
-        o.optimizer.weight_decay = 0.01;
-        o.max_grad_norm = 1.0;
-        o.ema.decay = 0.9;
-        o.offload.optimizer = true;
+        EngineOptions o = delayed_options(c, dtype);
         Engine sync(mlp_units(), o, comm, backend);
         o.offload.delayed_update = true;
         o.offload.delayed_update_warmup_steps = warmup;
@@ -64,9 +101,65 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         CHECK(bitwise_equal(delayed.gather_optimizer_state(0), sync.gather_optimizer_state(0)));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(1), sync.gather_optimizer_state(1)));
         CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
-        CHECK(delayed.host_memory().buffers == 2 * sync.host_memory().buffers);
+        // One more gradient shard where backward streams into one (one
+        // micro-step), and one more parameter copy: a staging copy, or with
+        // offload_params a second host parameter shard.
+        const std::size_t shard = delayed.layout().shard_numel();
+        const std::size_t grad_shard = shard * size_of(o.effective_grad_dtype());
+        CHECK(delayed.host_memory().buffers == sync.host_memory().buffers + shard * size_of(dtype) +
+                                                   (c.accumulation == 1 ? grad_shard : 0));
         CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
       }
+}
+
+// A checkpoint taken mid-run completes the pending update first, so a run
+// resumed from it continues bit for bit like the one that saved it (which
+// goes on from the same completed state): every step's parameters, norms,
+// and the final master, state, EMA and parameters.
+inline void check_delayed_update_resume(Communicator& comm, Backend& backend) {
+  // Every rank names the same files (rank 0's pid), apart from concurrent runs.
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("zero-test-delayed" + std::to_string(static_cast<long>(pid)) + "-rank" +
+                             std::to_string(comm.rank()) + ".safetensors"))
+                               .string();
+  const DelayedCase cases[] = {{2, false, 1}, {2, false, 3}, {3, true, 1}, {3, true, 2}};
+  for (const DelayedCase& c : cases) {
+    CAPTURE(c.stage);
+    CAPTURE(c.offload_params);
+    CAPTURE(c.accumulation);
+    EngineOptions o = delayed_options(c, DType::bf16);
+    o.offload.delayed_update = true;
+    o.offload.delayed_update_warmup_steps = 1;
+    Engine straight(mlp_units(), o, comm, backend);
+    init_random_params(straight);
+    for (int k = 1; k <= 3; ++k)
+      run_step_from(straight, read_model_params(straight, &backend), k, comm.rank(), StepGradient::pull_to_half, -1,
+                    &backend);
+    straight.save_state(path);
+    Engine resumed(mlp_units(), o, comm, backend);
+    init_random_params(resumed, 99);  // other values, all overwritten by the load
+    resumed.load_state(path);
+    CHECK(resumed.steps_applied() == 3);
+    for (int k = 4; k <= 7; ++k) {
+      CAPTURE(k);
+      const auto want_weights = read_model_params(straight, &backend);
+      const auto weights = read_model_params(resumed, &backend);
+      CHECK(bitwise_equal(weights, want_weights));
+      const StepResult want =
+          run_step_from(straight, want_weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+      const StepResult got = run_step_from(resumed, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+      CHECK(got.grad_norm == want.grad_norm);
+      CHECK(got.clip_coefficient == want.clip_coefficient);
+    }
+    CHECK(bitwise_equal(resumed.gather_master_params(), straight.gather_master_params()));
+    CHECK(bitwise_equal(resumed.gather_ema_params(), straight.gather_ema_params()));
+    CHECK(bitwise_equal(resumed.gather_optimizer_state(0), straight.gather_optimizer_state(0)));
+    CHECK(bitwise_equal(resumed.gather_optimizer_state(1), straight.gather_optimizer_state(1)));
+    CHECK(bitwise_equal(read_model_params(resumed, &backend), read_model_params(straight, &backend)));
+    std::filesystem::remove(path);
+  }
 }
 
 }  // namespace zero::testing

@@ -53,29 +53,39 @@ enum class StepGradient {
   noise,         // 0.1 * noise
 };
 
-/// One micro-step whose gradients depend on (step, rank) and, for
-/// pull_to_half, on the weights w, then step().
-/// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0.
+/// The engine's micro-steps (accumulation_steps of them), whose gradients
+/// depend on (step, micro-step, rank) and, for pull_to_half, on the weights
+/// w, then step(). The first micro-step's are what they were before
+/// accumulation was driven here.
+/// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0 (first micro-step).
 /// With a backend, the gradients are written through it (device memory).
 inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<float>>& w, int step, int rank,
                                 StepGradient kind, int poison_rank = -1, Backend* backend = nullptr) {
   const DType g = engine.options().effective_grad_dtype();
-  std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank));
-  std::normal_distribution<float> normal;
-  for (std::size_t p = 0; p < engine.param_count(); ++p) {
-    if (engine.frozen(p)) continue;  // no gradient
-    void* grad = engine.grad_data(p);
-    std::vector<std::byte> staged(backend ? w[p].size() * size_of(g) : 0);
-    void* out = backend ? staged.data() : grad;
-    for (std::size_t k = 0; k < w[p].size(); ++k) {
-      const float noise = 0.1f * normal(rng);
-      store_from_float(out, k, g, kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise);
+  // Backward adds into a full buffer that is reduced only at the boundary
+  // (as autograd accumulates .grad); elsewhere each micro-step's buffer is fresh.
+  const bool adds = engine.plan().full_grads && engine.plan().reduce_only_at_boundary;
+  for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
+    std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank + micro * 7919));
+    std::normal_distribution<float> normal;
+    for (std::size_t p = 0; p < engine.param_count(); ++p) {
+      if (engine.frozen(p)) continue;  // no gradient
+      void* grad = engine.grad_data(p);
+      std::vector<std::byte> staged(backend ? w[p].size() * size_of(g) : 0);
+      void* out = backend ? staged.data() : grad;
+      if (backend && adds) backend->copy_to_host(staged.data(), grad, staged.size());
+      for (std::size_t k = 0; k < w[p].size(); ++k) {
+        const float noise = 0.1f * normal(rng);
+        const float value = kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise;
+        store_from_float(out, k, g, adds && micro > 0 ? load_as_float(out, k, g) + value : value);
+      }
+      if (p == 0 && micro == 0 && rank == poison_rank)
+        store_from_float(out, 0, g, std::numeric_limits<float>::quiet_NaN());
+      if (backend) backend->copy_from_host(grad, staged.data(), staged.size());
+      engine.grad_ready(p);
     }
-    if (p == 0 && rank == poison_rank) store_from_float(out, 0, g, std::numeric_limits<float>::quiet_NaN());
-    if (backend) backend->copy_from_host(grad, staged.data(), staged.size());
-    engine.grad_ready(p);
+    engine.finish_micro_step();
   }
-  engine.finish_micro_step();
   return engine.step();
 }
 

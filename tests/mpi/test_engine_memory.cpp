@@ -303,6 +303,10 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
       {1, false, false, false, 2, each, false, {}},  {1, true, false, false, 1, each, false, {}},
       {2, true, false, false, 1, each, false, {}},   {2, true, false, true, 1, each, false, {}},
       {3, true, false, false, 2, each, true, {}},    {3, true, true, false, 1, each, true, {}},
+      // The delayed update with several micro-steps and with offload_params
+      // (a second host parameter shard).
+      {2, true, false, true, 3, each, false, {}},    {1, true, false, true, 2, boundary, false, {}},
+      {3, true, true, true, 1, each, true, {}},      {3, true, true, true, 2, each, false, {}},
   };
   const auto units = awkward_units();
   for (const Case& k : cases) {

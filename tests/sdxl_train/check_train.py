@@ -8,7 +8,9 @@
    are bitwise identical at the same world size); and at stage 3 with the
    optimizer and parameters offloaded to host memory; offload_params below
    stage 3 is refused. The delayed update (DPU): warm-up steps equal, then
-   departs and still trains; resuming continues it exactly. Channels-last
+   departs and still trains; resuming continues it exactly; at stage 3 with
+   offload_params it is the stage-2 delayed run bit for bit; with
+   accumulation 2 it trains. Channels-last
    trains within 1e-3 of NCHW; cuda_graph/attention misuse is refused.
 3. N=1 with the same global batch: the trajectory agrees with N=2 within a
    stated tolerance (only the order of gradient sums differs).
@@ -144,6 +146,18 @@ train("delayed-resumed", 2, *delayed, "--stop_after", "15")
 h = resume("delayed-resumed", 2, *delayed, "--resume", "latest")
 check(all(h[s] == g[s] for s in range(16, STEPS + 1)),
       "delayed update: steps 16-30 after resuming equal the uninterrupted run")
+# Issue 20: the delayed update at stage 3 with the parameters offloaded (the
+# CPU writes a second host shard, swapped in at the join) is the stage-2
+# delayed run bit for bit; with two micro-steps per step it trains.
+gp = train("np2-stage3-offload-delayed", 2, "--stage", "3", "--offload_optimizer", "true", "--offload_params", "true",
+           "--offload_delayed_update", "true", "--delayed_update_warmup", "1")
+check(all(gp[s] == g[s] for s in g), "delayed update at stage 3 with offload_params: the stage-2 delayed trajectory bit for bit")
+ga = train("np2-stage3-delayed-accumulation", 2, "--stage", "3", "--offload_optimizer", "true",
+           "--offload_delayed_update", "true", "--accumulation", "2", "--batch_size", "2")
+ga_first = sum(ga[s] for s in (1, 2, 3)) / 3
+ga_last = sum(ga[s] for s in range(STEPS - 4, STEPS + 1)) / 5
+check(ga_last < 0.5 * ga_first,
+      f"delayed update with accumulation 2: the loss falls by more than half ({ga_first:.4f} -> {ga_last:.4f})")
 code, output = run_expecting_failure("delayed-no-offload", 1, "--stage", "2", "--offload_delayed_update", "true")
 check(code != 0 and "offload_delayed_update needs offload_optimizer = true" in output,
       "offload_delayed_update without offload is refused, naming it")

@@ -60,8 +60,10 @@ struct StepResult {
   double loss_scale = 1;
   std::int64_t step = 0;     // optimizer steps applied so far
   /// Offload: host wall time of step()'s CPU work, the gradient statistics
-  /// of streamed gradients and the CPU update (optimizer, EMA, and waiting
-  /// for gradients still on their way down); 0 without offload.
+  /// of streamed gradients and the CPU update (optimizer, and waiting for
+  /// gradients still on their way down; the EMA of a synchronous update runs
+  /// on a background thread during the next forward and backward, and the
+  /// wait for it, if any, is counted here at the next step); 0 without offload.
   double cpu_grad_stats_seconds = 0;
   double cpu_update_seconds = 0;
   /// offload_delayed_update: cpu_update_seconds is the background update

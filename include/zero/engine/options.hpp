@@ -68,8 +68,8 @@ struct OffloadOptions {
   /// writes the updated shard where it lives, so nothing goes back up after
   /// a step. On the device only the gathered units stay.
   bool params = false;
-  /// Delayed parameter update (ZeRO-Offload's DPU; `optimizer` with one
-  /// micro-step per step, not `params`): step() computes the gradient
+  /// Delayed parameter update (ZeRO-Offload's DPU; needs `optimizer`; any
+  /// accumulation_steps, with or without `params`): step() computes the gradient
   /// statistics (so clipping, loss scaling and skipping are decided at once),
   /// then runs the CPU update on a background thread while the next forward
   /// and backward run on the device with the parameters from before it. The
@@ -78,7 +78,9 @@ struct OffloadOptions {
   /// step; master weights, state and EMA are exact). Anything that reads or
   /// writes the state (save_state, load_state, set_param, gather_*) first
   /// completes the pending update and uploads it. Host memory: one more
-  /// gradient and one more parameter staging shard.
+  /// gradient shard (one micro-step only) and one more parameter staging
+  /// shard (with `params`: a second host parameter shard, which the update
+  /// writes while the gathers read the other).
   bool delayed_update = false;
   /// With delayed_update: the first this-many applied steps update
   /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).

@@ -111,7 +111,8 @@ struct PlanInput {
   int gpus_per_host = 8;  // ranks sharing one host's memory: min(world_size, this)
   /// The engine exactly as it will run (stage, dtypes, optimizer, EMA,
   /// offload, accumulation, buckets). fit() varies stage, offload and
-  /// checkpointing and never proposes the delayed update.
+  /// checkpointing; with a global batch it also searches the micro-batch,
+  /// accumulation and the delayed update.
   EngineOptions engine{};
   /// NcclCommunicator with HalfReduction::fp32_accumulate: fp32 scratch for
   /// the largest bucket.

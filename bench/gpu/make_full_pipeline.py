@@ -1,6 +1,6 @@
 """A diffusers SDXL pipeline folder at full size with random weights (no real
 checkpoint can be downloaded on the GPU machine): vae/, text_encoder/,
-text_encoder_2/ with SDXL 1.0's configs, bf16 safetensors, and tokenizer/ +
+text_encoder_2/, unet/ with SDXL 1.0's configs, bf16 safetensors, and tokenizer/ +
 tokenizer_2/ copied from the repo's CLIP-format test vocabularies (their ids
 fit the 49408-entry embedding). For speed measurements of prepare and the
 trainer's validation sampling, not for image quality.
@@ -10,7 +10,7 @@ trainer's validation sampling, not for image quality.
 import json, os, shutil, sys
 
 import torch
-from diffusers import AutoencoderKL
+from diffusers import AutoencoderKL, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 out = sys.argv[1]
@@ -30,7 +30,14 @@ with torch.device(dev):
                                                      max_position_embeddings=77, hidden_act="gelu",
                                                      projection_dim=1280, bos_token_id=0, eos_token_id=2,
                                                      pad_token_id=1))
-for name, model in (("vae", vae), ("text_encoder", te1), ("text_encoder_2", te2)):
+    unet = UNet2DConditionModel(  # SDXL 1.0's unet/config.json
+        sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816, norm_num_groups=32)
+for name, model in (("vae", vae), ("text_encoder", te1), ("text_encoder_2", te2), ("unet", unet)):
     model.to(torch.bfloat16).save_pretrained(os.path.join(out, name), safe_serialization=True)
 for name in ("tokenizer", "tokenizer_2"):
     shutil.copytree(os.path.join("tests/fixtures/clip_tokenizer", name), os.path.join(out, name), dirs_exist_ok=True)

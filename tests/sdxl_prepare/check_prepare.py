@@ -31,6 +31,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_pipeline  # noqa: E402
+
 PREPARE, MAKE_IMAGES, CHECK_VALUES, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:8]
 MPI_FLAGS = sys.argv[8:]
 FIXTURES = os.path.join(SOURCE, "tests", "fixtures")
@@ -58,38 +61,6 @@ def run(cmd, env=None, expect_ok=True):
     return result
 
 
-def make_pipeline(root):
-    """The fixture's models plus tokenizers whose ids fit their 1000-token
-    vocabulary: the fixture tokenizer's 512 byte tokens and first merges,
-    <|startoftext|> 998 (both encoders' bos), <|endoftext|> 999 for the first
-    (its pooled row is the argmax, as SDXL's config says) and 997 for the
-    second (its config's eos_token_id)."""
-    os.makedirs(root)
-    models = os.path.join(FIXTURES, "sdxl_vae_clip", "pipeline")
-    for name in ("vae", "text_encoder", "text_encoder_2"):
-        os.symlink(os.path.join(models, name), os.path.join(root, name))
-    index = json.load(open(os.path.join(models, "model_index.json")))
-    index["tokenizer"] = index["tokenizer_2"] = ["transformers", "CLIPTokenizer"]
-    json.dump(index, open(os.path.join(root, "model_index.json"), "w"))
-    for name, eos, merge_count in (("tokenizer", 999, 486), ("tokenizer_2", 997, 485)):
-        source = os.path.join(FIXTURES, "clip_tokenizer", name)
-        target = os.path.join(root, name)
-        os.makedirs(target)
-        for f in ("tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(os.path.join(source, f), target)
-        vocab = json.load(open(os.path.join(source, "vocab.json")))
-        merges = open(os.path.join(source, "merges.txt"), encoding="utf-8").read().splitlines()
-        kept_merges = merges[1:1 + merge_count]
-        small = {token: i for token, i in vocab.items() if i < 512 + merge_count}
-        small["<|startoftext|>"] = 998
-        small["<|endoftext|>"] = eos
-        if name == "tokenizer_2":
-            small["<|padding-unused|>"] = 999  # keeps the ids dense up to 999
-        json.dump(small, open(os.path.join(target, "vocab.json"), "w", encoding="utf-8"), ensure_ascii=False)
-        with open(os.path.join(target, "merges.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join([merges[0], *kept_merges]) + "\n")
-
-
 def prepare(ranks, output, *extra, env=None, expect_ok=True):
     cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, PREPARE, "--pipeline", PIPELINE, "--images", IMAGES,
            "--output", output, "--resolution", "32", "--bucket_step", "16", "--flip", "--shard_size", "5",
@@ -114,7 +85,7 @@ make = run([MAKE_IMAGES, IMAGES])
 good = int(make.stdout.split()[0])
 total = good + len(BROKEN)
 check(total >= 40, f"fixture folder: {good} good images and {len(BROKEN)} broken files")
-make_pipeline(PIPELINE)
+tiny_pipeline.make_pipeline(PIPELINE, FIXTURES)
 with open(PROMPTS, "w") as f:
     f.write("a photo of a cat\n\nA red FOX, in snow!\nthe empty line above is skipped\n")
 
@@ -191,12 +162,7 @@ check(not os.path.exists(os.path.join(dsr, "index.json")), "no index.json after 
 # 7. Two training steps on it (a tiny UNet for the fixture's text dims: 80-wide
 # prompt embeddings, 40-wide pooled).
 unet = os.path.join(WORK, "unet.json")
-json.dump({"sample_size": 32, "in_channels": 4, "out_channels": 4,
-           "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-           "block_out_channels": [32, 64], "layers_per_block": 1, "cross_attention_dim": 80, "attention_head_dim": [2, 4],
-           "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
-           "projection_class_embeddings_input_dim": 88, "transformer_layers_per_block": [1, 1], "norm_num_groups": 32},
-          open(unet, "w"))
+tiny_pipeline.write_tiny_unet_config(unet)
 runs = os.path.join(WORK, "train")
 run([MPIEXEC, "-np", "2", *MPI_FLAGS, TRAIN, "--config", os.path.join(SOURCE, "examples", "sdxl", "configs", "tiny.toml"),
      "--model_config", unet, "--synthetic", "false", "--dataset", ds3, "--output_dir", runs, "--steps", "2",

@@ -1,0 +1,146 @@
+"""examples/sdxl/sample end to end (stdlib only) on the tiny pipeline
+(tiny_pipeline.py) and a tiny UNet exported by the trainer after one step:
+
+1. a PNG of the asked size (parsed and decoded here: signature, IHDR, zlib,
+   row filters), not a constant image, and the latents it came from;
+2. the same seed gives the same bytes; another seed, a negative prompt, no
+   guidance or another sampler each give another image;
+3. --num_images 2: x-0.png is seed S's image, x-1.png seed S+1's;
+4. bad input (missing pipeline folder, missing UNet, unknown sampler) exits
+   non-zero naming what is wrong, without C++ frames.
+
+  check_sample.py SAMPLE TRAIN MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
+"""
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_pipeline  # noqa: E402
+
+SAMPLE, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
+MPI_FLAGS = sys.argv[6:]
+failures = []
+
+
+def check(condition, message):
+    print(("ok   " if condition else "FAIL ") + message, flush=True)
+    if not condition:
+        failures.append(message)
+    return condition
+
+
+def run(cmd, expect_ok=True):
+    start = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    print(f"  [{time.time() - start:.1f} s, rc {result.returncode}] {os.path.basename(cmd[0])} {' '.join(cmd[1:14])}",
+          flush=True)
+    if expect_ok and result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-4000:])
+        raise SystemExit(f"command failed ({result.returncode})")
+    return result
+
+
+def read_png(path):
+    """(width, height, rows of RGB bytes) of an 8-bit RGB PNG."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        crc = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in chunk {kind}"
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    width, height, depth, color = header[:4]
+    assert depth == 8 and color == 2, f"expected 8-bit RGB, got depth {depth} color type {color}"
+    raw, stride, rows, prev = zlib.decompress(idat), width * 3, [], bytearray(width * 3)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for x in range(stride):
+            a = line[x - 3] if x >= 3 else 0
+            b, c = prev[x], prev[x - 3] if x >= 3 else 0
+            if kind == 1: line[x] = (line[x] + a) & 255
+            elif kind == 2: line[x] = (line[x] + b) & 255
+            elif kind == 3: line[x] = (line[x] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, rows
+
+
+shutil.rmtree(WORK, ignore_errors=True)
+os.makedirs(WORK)
+PIPELINE = os.path.join(WORK, "pipeline")
+tiny_pipeline.make_pipeline(PIPELINE, os.path.join(SOURCE, "tests", "fixtures"))
+unet_config = os.path.join(WORK, "unet.json")
+tiny_pipeline.write_tiny_unet_config(unet_config)
+runs = os.path.join(WORK, "train")
+run([MPIEXEC, "-np", "1", *MPI_FLAGS, TRAIN, "--config", os.path.join(SOURCE, "examples", "sdxl", "configs", "tiny.toml"),
+     "--model_config", unet_config, "--output_dir", runs, "--steps", "1", "--warmup_steps", "0",
+     "--checkpoint_every", "0", "--save_final", "false", "--export_unet", "true"])
+UNET = os.path.join(runs, "unet")
+check(os.path.isfile(os.path.join(UNET, "config.json")), "the trainer exported a diffusers UNet folder")
+
+
+def sample(output, *extra, expect_ok=True):
+    return run([SAMPLE, "--pipeline", PIPELINE, "--unet", UNET, "--prompt", "a red fox in snow", "--steps", "4",
+                "--height", "32", "--width", "48", "--output", output, *extra], expect_ok=expect_ok)
+
+
+def png(name):
+    return os.path.join(WORK, name)
+
+
+# 1. One image.
+result = sample(png("a.png"), "--seed", "3", "--save_latents", png("a.safetensors"))
+width, height, rows = read_png(png("a.png"))
+check((width, height) == (48, 32), f"the PNG is 48x32 RGB: {width}x{height}")
+check(len(set(b"".join(rows))) > 16, "the image is not constant")
+check(os.path.getsize(png("a.safetensors")) > 4 * 4 * 6 * 4, "the latents were saved")
+check("wrote" in result.stdout and " s\n" in result.stdout, "prints the seconds per image")
+check(not [f for f in os.listdir(WORK) if ".tmp" in f], "no temporary file is left")
+
+# 2. Determinism and what changes the image.
+sample(png("a2.png"), "--seed", "3")
+check(open(png("a.png"), "rb").read() == open(png("a2.png"), "rb").read(), "the same seed gives the same bytes")
+for name, extra in (("seed4.png", ["--seed", "4"]), ("negative.png", ["--seed", "3", "--negative_prompt", "blurry"]),
+                    ("noguidance.png", ["--seed", "3", "--guidance", "1"]),
+                    ("dpm.png", ["--seed", "3", "--sampler", "dpmpp_2m_karras"])):
+    sample(png(name), *extra)
+    check(read_png(png(name))[2] != rows, f"{' '.join(extra)} gives another image")
+
+# 3. Several images.
+sample(png("many.png"), "--seed", "3", "--num_images", "2")
+check(open(png("many-0.png"), "rb").read() == open(png("a.png"), "rb").read(), "x-0.png is seed 3's image")
+check(open(png("many-1.png"), "rb").read() == open(png("seed4.png"), "rb").read(), "x-1.png is seed 4's image")
+
+# 4. Bad input.
+for what, cmd, fragment in (
+        ("a missing pipeline folder", [SAMPLE, "--pipeline", os.path.join(WORK, "nowhere"), "--prompt", "x",
+                                       "--output", png("x.png")], "nowhere"),
+        ("a missing UNet", [SAMPLE, "--pipeline", PIPELINE, "--unet", os.path.join(WORK, "no-unet"), "--prompt", "x",
+                            "--output", png("x.png")], "no-unet"),
+        ("an unknown sampler", [SAMPLE, "--pipeline", PIPELINE, "--unet", UNET, "--prompt", "x", "--sampler", "ddim",
+                                "--output", png("x.png")], "--sampler")):
+    r = run(cmd, expect_ok=False)
+    text = r.stdout + r.stderr
+    check(r.returncode != 0 and fragment in text and "Exception raised from" not in text,
+          f"{what} exits non-zero naming '{fragment}'")
+check(not os.path.exists(png("x.png")), "no image after a refusal")
+
+if failures:
+    print(f"{len(failures)} check(s) failed")
+    sys.exit(1)
+print("all checks passed")

@@ -123,6 +123,38 @@ def _int64(value):
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def decode_image(payload):
+    """Summary.Image {height = 1, width = 2, colorspace = 3, encoded_image_string = 4}."""
+    image = {"height": 0, "width": 0, "colorspace": 0, "encoded": b""}
+    for number, wire, value in parse_message(payload):
+        if number in (1, 2, 3) and wire == 0:
+            image[("height", "width", "colorspace")[number - 1]] = _int64(value)
+        elif number == 4 and wire == 2:
+            image["encoded"] = value
+    return image
+
+
+def pure_images(path):
+    """{tag: [(step, image dict)]} of the image summaries (no TensorBoard needed)."""
+    images = {}
+    for payload in read_records(path):
+        event = decode_event(payload)
+        for tag, image in event.get("images", []):
+            images.setdefault(tag, []).append((event["step"], image))
+    return images
+
+
+def png_problem(image):
+    """None when image["encoded"] is a PNG of the summary's size, else what is wrong."""
+    data = image["encoded"]
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return "not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    if (width, height) != (image["width"], image["height"]):
+        return f"PNG is {width}x{height}, summary says {image['width']}x{image['height']}"
+    return None
+
+
 def decode_event(payload):
     event = {"wall_time": 0.0, "step": 0}
     for number, wire, value in parse_message(payload):
@@ -137,13 +169,18 @@ def decode_event(payload):
             for vnumber, vwire, vvalue in parse_message(value):
                 if vnumber != 1 or vwire != 2:
                     continue
-                tag, simple = None, None
+                tag, simple, image = None, None, None
                 for fnumber, fwire, fvalue in parse_message(vvalue):
                     if fnumber == 1 and fwire == 2:
                         tag = fvalue.decode("utf-8", errors="replace")
                     elif fnumber == 2 and fwire == 5:
                         simple = struct.unpack("<f", fvalue)[0]
-                values.append((tag, simple))
+                    elif fnumber == 4 and fwire == 2:
+                        image = decode_image(fvalue)
+                if image is not None:
+                    event.setdefault("images", []).append((tag, image))
+                else:
+                    values.append((tag, simple))
             event["summary"] = values
         elif number == 7 and wire == 2:
             for snumber, swire, svalue in parse_message(value):
@@ -229,6 +266,9 @@ def main():
     parser.add_argument("--pure", action="store_true", help="use the built-in decoder even if tensorboard is installed")
     parser.add_argument("--cross-check", action="store_true", help="read with both readers and compare (needs tensorboard)")
     parser.add_argument("--expect-tags", default="", help="comma-separated tags that every file must contain")
+    parser.add_argument("--expect-images", default="",
+                        help="comma-separated tags that must hold PNG image summaries (read by the built-in "
+                             "decoder; each PNG's IHDR size must match the summary's height and width)")
     args = parser.parse_args()
 
     use_tensorboard = have_tensorboard() and not args.pure
@@ -243,6 +283,25 @@ def main():
     ok = True
     report = {}
     expected = [t for t in args.expect_tags.split(",") if t]
+    expected_images = [t for t in args.expect_images.split(",") if t]
+    if expected_images:
+        found = {}
+        for path in files:
+            try:
+                for tag, entries in pure_images(path).items():
+                    found.setdefault(tag, []).extend(entries)
+            except (FormatError, OSError) as error:
+                print(f"{path}: {error}", file=sys.stderr)
+                ok = False
+        for tag in expected_images:
+            if tag not in found:
+                print(f"no image summary tagged {tag!r}", file=sys.stderr)
+                ok = False
+            for step, image in found.get(tag, []):
+                problem = png_problem(image)
+                if problem:
+                    print(f"image {tag!r} at step {step}: {problem}", file=sys.stderr)
+                    ok = False
     for path in files:
         try:
             points = pure_scalars(path) if not use_tensorboard else tensorboard_scalars(path)

@@ -229,6 +229,22 @@ TEST_CASE("scalar Event bytes, encoded by hand from summary.proto") {
         bytes_of({0x09, 0, 0, 0, 0, 0, 0, 0xF8, 0x3F, 0x10, 7, 0x3A, 0x02, 0x08, 0x01}));
 }
 
+TEST_CASE("image Event bytes, encoded by hand from summary.proto") {
+  const Image image{.tag = "v/0", .height = 2, .width = 300, .colorspace = 3, .encoded = "PNG"};
+  const std::string expected =
+      bytes_of({0x09, 0, 0, 0, 0, 0, 0, 0xF8, 0x3F,  // wall_time = 1.5
+                0x10, 0x04,                         // step = 4
+                0x2A, 0x15,                         // summary (field 5), 21 bytes
+                0x0A, 0x13,                         //   value (field 1), 19 bytes
+                0x0A, 0x03, 'v', '/', '0',          //     tag = "v/0"
+                0x22, 0x0C,                         //     image (field 4), 12 bytes
+                0x08, 0x02,                         //       height = 2
+                0x10, 0xAC, 0x02,                   //       width = 300
+                0x18, 0x03,                         //       colorspace = 3
+                0x22, 0x03, 'P', 'N', 'G'});        //       encoded_image_string
+  CHECK(encode_image_event(1.5, 4, image) == expected);
+}
+
 TEST_CASE("TensorBoardWriter: the file decodes to the scalars written") {
   TempDir dir;
   const double before = now();

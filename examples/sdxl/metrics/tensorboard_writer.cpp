@@ -73,6 +73,11 @@ constexpr std::uint32_t kEventSessionLog = 7;
 constexpr std::uint32_t kSummaryValue = 1;
 constexpr std::uint32_t kValueTag = 1;
 constexpr std::uint32_t kValueSimpleValue = 2;
+constexpr std::uint32_t kValueImage = 4;
+constexpr std::uint32_t kImageHeight = 1;
+constexpr std::uint32_t kImageWidth = 2;
+constexpr std::uint32_t kImageColorspace = 3;
+constexpr std::uint32_t kImageEncoded = 4;
 // SessionLog.status and its START value.
 constexpr std::uint32_t kSessionLogStatus = 1;
 constexpr std::uint64_t kSessionLogStart = 1;
@@ -137,6 +142,22 @@ std::string encode_scalars_event(double wall_time, std::int64_t step, std::span<
     put_float(value, kValueSimpleValue, static_cast<float>(scalar.value));
     put_bytes(summary, kSummaryValue, value);
   }
+  std::string event = event_header(wall_time, step);
+  put_bytes(event, kEventSummary, summary);
+  return event;
+}
+
+std::string encode_image_event(double wall_time, std::int64_t step, const Image& image) {
+  std::string fields;
+  put_int64(fields, kImageHeight, image.height);
+  put_int64(fields, kImageWidth, image.width);
+  put_int64(fields, kImageColorspace, image.colorspace);
+  put_bytes(fields, kImageEncoded, image.encoded);
+  std::string value;
+  put_bytes(value, kValueTag, image.tag);
+  put_bytes(value, kValueImage, fields);
+  std::string summary;
+  put_bytes(summary, kSummaryValue, value);
   std::string event = event_header(wall_time, step);
   put_bytes(event, kEventSummary, summary);
   return event;
@@ -236,6 +257,13 @@ void TensorBoardWriter::add_scalars(const std::vector<Scalar>& scalars, std::int
     ZERO_CHECK(!scalar.tag.empty(), "TensorBoardWriter::add_scalars: empty tag");
   if (scalars.empty()) return;
   add_event(encode_scalars_event(unix_time_now(), step, scalars));
+}
+
+void TensorBoardWriter::add_image(const Image& image, std::int64_t step) {
+  ZERO_CHECK(!image.tag.empty(), "TensorBoardWriter::add_image: empty tag");
+  ZERO_CHECK(image.height > 0 && image.width > 0 && !image.encoded.empty(),
+             "TensorBoardWriter::add_image '", image.tag, "': no image");
+  add_event(encode_image_event(unix_time_now(), step, image));
 }
 
 void TensorBoardWriter::add_session_start(std::int64_t first_step) {

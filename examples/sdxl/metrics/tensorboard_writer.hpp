@@ -47,6 +47,17 @@ struct Scalar {
 std::string encode_file_version_event(double wall_time, std::string_view file_version);
 /// Event{wall_time, step, summary = 5 {value = 1 (repeated) {tag = 1, simple_value = 2}}}.
 std::string encode_scalars_event(double wall_time, std::int64_t step, std::span<const Scalar> scalars);
+/// One image of an Event's Summary (Summary.Value.image = 4).
+struct Image {
+  std::string tag;
+  std::int32_t height = 0;
+  std::int32_t width = 0;
+  std::int32_t colorspace = 3;  ///< 1 grey, 3 RGB, 4 RGBA
+  std::string encoded;          ///< the PNG (or JPEG) file bytes
+};
+/// Event{wall_time, step, summary = 5 {value = 1 {tag = 1, image = 4 {height = 1,
+/// width = 2, colorspace = 3, encoded_image_string = 4}}}}.
+std::string encode_image_event(double wall_time, std::int64_t step, const Image& image);
 /// Event{wall_time, step, session_log = 7 {status = 1: START}}: tells TensorBoard
 /// that the run restarted at `step`, so it drops points logged at or after it.
 std::string encode_session_start_event(double wall_time, std::int64_t step);
@@ -94,6 +105,8 @@ class TensorBoardWriter {
   /// Marks a restart (SessionLog START): TensorBoard's event loader discards
   /// the points of earlier event files whose step is >= `first_step`, the
   /// first step this run will log (the checkpoint's step + 1 on a resume).
+  /// An image summary (e.g. a validation sample as PNG bytes) at `step`.
+  void add_image(const Image& image, std::int64_t step);
   void add_session_start(std::int64_t first_step);
 
   /// Writes the buffered records to the file (write(2); no fsync).

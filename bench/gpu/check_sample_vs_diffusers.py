@@ -22,7 +22,7 @@ torch.backends.cudnn.allow_tf32 = False
 os.makedirs(WORK, exist_ok=True)
 P = os.path.join(WORK, "pipeline")
 if not os.path.exists(P):
-    tiny_pipeline.make_pipeline(P, "tests/fixtures")
+    tiny_pipeline.make_pipeline(P, os.path.abspath("tests/fixtures"))
 unet_cfg = os.path.join(WORK, "unet.json")
 tiny_pipeline.write_tiny_unet_config(unet_cfg)
 runs = os.path.join(WORK, "train")
@@ -42,9 +42,11 @@ pipe = StableDiffusionXLPipeline(
                                      timestep_spacing="leading", steps_offset=1),
     force_zeros_for_empty_prompt=True)
 pipe.to(torch.float32)
+euler = pipe.scheduler
 results = []
 for sampler, negative, guidance in (("euler", "", 5.0), ("euler", "blurry", 5.0), ("dpmpp_2m_karras", "", 5.0),
                                     ("euler", "", 1.0)):
+    pipe.scheduler = euler  # each row sets its sampler (the pipeline keeps the last one it was given)
     if sampler == "dpmpp_2m_karras":
         pipe.scheduler = DPMSolverMultistepScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                                      timestep_spacing="leading", steps_offset=1,

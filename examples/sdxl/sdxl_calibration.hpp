@@ -55,17 +55,18 @@ inline zero::plan::ActivationModel scaled_activation_model(std::size_t param_cou
 /// trainer process on one H200.
 inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.453 * kGiB); }
 
-/// The speed model of the SDXL UNet at 1024 px on an H200, fitted to trainer
-/// runs (sdxl-1024.toml, EMA, global batch 8; bench/results/speed-prediction.md):
-/// a micro-step costs max(0.096 s + 0.0392 s per sample, 0.226 s) at stage 0
-/// without checkpointing (the per-sample slope is unet_bench's; below batch 4
-/// the step is launch-bound: batch 1 x 8 ran at 3.27 img/s, not the 6 img/s a
-/// straight line predicts), x 1.33 with checkpointing, plus 0.04 s per step for
-/// the device AdamW + EMA. Offload: the host's AdamW + EMA ran at 2.25 G
-/// elements/s (1.14 s per step for 2.57 B), PCIe at 50 GB/s.
+/// The speed model of the SDXL UNet at 1024 px on an H200, from trainer runs
+/// (sdxl-1024.toml, EMA, global batch 8; bench/results/speed-prediction.md):
+/// a micro-step at stage 0 without checkpointing takes 0.2265 s at batch 1,
+/// 0.1396 s at batch 2 (batch 1 is slower than 2: docs/perf-notes.md),
+/// 0.2523 s at batch 4 and 0.4084 s at batch 8 (the checkpointed runs divided
+/// by 1.33), unet_bench's 0.0392 s per sample beyond; x 1.33 with
+/// checkpointing; 0.04 s per step for the device AdamW + EMA. Offload: the
+/// host's AdamW + EMA ran at 2.25 G elements/s (1.14 s per step for 2.57 B),
+/// PCIe at 50 GB/s.
 inline zero::plan::SpeedModel speed_model() {
   zero::plan::SpeedModel s;
-  s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.29x at batch 8
+  s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.30x at batch 8
   s.stage3_gather_cost = 0.4;     // measured +41% at batch 1, +2.5% at batch 8
   // Stages 1 and 2: their measured differences to stage 0 are within 3%
   // (N = 1) and their traffic equals stage 0's; equal times go to the
@@ -73,7 +74,7 @@ inline zero::plan::SpeedModel speed_model() {
   s.stage_step_cost = 0.0;
   s.gpu_seconds_per_step = 0.096;
   s.gpu_seconds_per_sample = 0.0392;
-  s.min_gpu_seconds_per_micro_step = 0.226;
+  s.measured_micro_step_seconds = {{1, 0.2265}, {2, 0.1396}, {4, 0.2523}, {8, 0.4084}};
   s.optimizer_seconds_per_step = 0.04;
   s.cpu_elements_per_second = 2.25e9;
   s.pcie_bytes_per_second = 50e9;

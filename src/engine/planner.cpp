@@ -194,6 +194,25 @@ std::size_t Plan::gpu_peak_lower() const {
   return std::max(gpu_at_step_end(), runtime_overhead + model_state.model_state() + engine.peak());
 }
 
+namespace {
+
+// Piecewise-linear in the measured (batch, seconds) points; the first point's
+// time below it, the per-sample slope beyond the last.
+double interpolate_micro_step(const SpeedModel& s, double batch) {
+  const auto& points = s.measured_micro_step_seconds;
+  if (batch <= points.front().first) return points.front().second;
+  for (std::size_t i = 1; i < points.size(); ++i) {
+    if (batch <= points[i].first) {
+      const auto& [b0, t0] = points[i - 1];
+      const auto& [b1, t1] = points[i];
+      return t0 + (t1 - t0) * (batch - b0) / (b1 - b0);
+    }
+  }
+  return points.back().second + s.gpu_seconds_per_sample * (batch - points.back().first);
+}
+
+}  // namespace
+
 double Plan::seconds_per_step() const {
   const SpeedModel& s = input.speed;
   // GPU time per micro-step (SpeedModel), then checkpointing, stage and
@@ -204,8 +223,11 @@ double Plan::seconds_per_step() const {
   const double fixed_seconds = s.gpu_seconds_per_step * size;
   const double per_sample = s.gpu_seconds_per_sample * size * input.activations.area_scale;
   const double samples = static_cast<double>(input.batch);
-  // Stage 0, no checkpointing; small batches stop at the launch-bound floor.
-  const double plain = std::max(fixed_seconds + per_sample * samples, s.min_gpu_seconds_per_micro_step * size);
+  // Stage 0, no checkpointing: the measured points where the model has them
+  // (latent area counts as batch), else the line.
+  const double plain = s.measured_micro_step_seconds.empty()
+                           ? fixed_seconds + per_sample * samples
+                           : size * interpolate_micro_step(s, samples * input.activations.area_scale);
   double gpu = plain * (input.activation_checkpointing ? s.checkpointing_factor : 1.0);
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;

@@ -509,7 +509,7 @@ TEST_CASE("check_cap: a cap below the predicted upper bound is refused with the 
   CHECK(at24->find("batch_size = ") != std::string::npos);
 }
 
-TEST_CASE("plan speed: a launch-bound floor for small micro-batches and the device optimizer once per step") {
+TEST_CASE("plan speed: measured micro-step times for small batches, the device optimizer once per step") {
   plan::PlanInput in = sdxl_input();
   in.world_size = 1;
   in.engine.stage = 2;
@@ -525,10 +525,12 @@ TEST_CASE("plan speed: a launch-bound floor for small micro-batches and the devi
   };
   CHECK(seconds(1, 1) == doctest::Approx(0.15));
   CHECK(seconds(8, 1) == doctest::Approx(0.5));
-  in.speed.min_gpu_seconds_per_micro_step = 0.3;  // batch 1 and 2 sit on the floor, batch 8 above it
+  in.speed.measured_micro_step_seconds = {{1, 0.3}, {2, 0.2}, {4, 0.4}};  // measured points win over the line
   CHECK(seconds(1, 1) == doctest::Approx(0.3));
   CHECK(seconds(1, 8) == doctest::Approx(2.4));
-  CHECK(seconds(8, 1) == doctest::Approx(0.5));
+  CHECK(seconds(2, 1) == doctest::Approx(0.2));
+  CHECK(seconds(3, 1) == doctest::Approx(0.3));  // between 2 and 4
+  CHECK(seconds(8, 1) == doctest::Approx(0.6));  // beyond the last: 0.05 s per sample
   in.speed.optimizer_seconds_per_step = 0.04;  // once per step, not per micro-step
   CHECK(seconds(1, 8) == doctest::Approx(2.44));
   in.world_size = 4;  // sharded optimizer state: a quarter of the update per rank

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zero/core/dtype.hpp"
@@ -86,10 +87,13 @@ struct SpeedModel {
   /// parameters, both, and latent area, per sample, for other models).
   double gpu_seconds_per_step = 0.0;
   double gpu_seconds_per_sample = 1.0;
-  /// Floor of one micro-step's GPU time at stage 0 without checkpointing:
-  /// small batches are bound by kernel launches and latency, not by the
-  /// per-sample work (0: no floor).
-  double min_gpu_seconds_per_micro_step = 0.0;
+  /// Measured GPU time of one micro-step at stage 0 without checkpointing
+  /// (optimizer excluded), as (batch, seconds) points in increasing batch:
+  /// when given, a micro-step's time is interpolated linearly between them
+  /// (the first point's below it, gpu_seconds_per_sample per sample beyond the
+  /// last) instead of the straight line above. Small batches are far from a
+  /// line: launch-bound, and on the H200 batch 1 was slower than batch 2.
+  std::vector<std::pair<double, double>> measured_micro_step_seconds;
   /// The on-device optimizer step (and EMA) of the whole model, once per
   /// step; divided by N where the optimizer state is sharded (stages 1-3);
   /// not paid with offload_optimizer (the CPU update replaces it).

@@ -149,8 +149,10 @@ check(all(h[s] == g[s] for s in range(16, STEPS + 1)),
 # Issue 20: the delayed update at stage 3 with the parameters offloaded (the
 # CPU writes a second host shard, swapped in at the join) is the stage-2
 # delayed run bit for bit; with two micro-steps per step it trains.
+# The same checkpoint at step 15 as the stage-2 run: saving completes the
+# pending update, so step 16 of both sees fresh parameters.
 gp = train("np2-stage3-offload-delayed", 2, "--stage", "3", "--offload_optimizer", "true", "--offload_params", "true",
-           "--offload_delayed_update", "true", "--delayed_update_warmup", "1")
+           "--offload_delayed_update", "true", "--delayed_update_warmup", "1", "--checkpoint_every", "15")
 check(all(gp[s] == g[s] for s in g), "delayed update at stage 3 with offload_params: the stage-2 delayed trajectory bit for bit")
 ga = train("np2-stage3-delayed-accumulation", 2, "--stage", "3", "--offload_optimizer", "true",
            "--offload_delayed_update", "true", "--accumulation", "2", "--batch_size", "2")

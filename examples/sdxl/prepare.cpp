@@ -40,6 +40,7 @@
 
 #include "clip_text.hpp"
 #include "clip_tokenizer.hpp"
+#include "pipeline_source.hpp"
 #include "data/cached_dataset.hpp"
 #include "pipeline_folder.hpp"
 #include "prepare_images.hpp"
@@ -63,7 +64,7 @@ constexpr const char* kValidationPromptsFile = "validation_prompts.safetensors";
 // ------------------------------------------------------------------ options
 
 struct Options {
-  std::string pipeline, single_file, tokenizer, tokenizer_2;
+  sdxl::PipelineSource models;
   std::string images, output;
   std::int64_t resolution = 1024;
   std::int64_t bucket_step = 64;
@@ -84,13 +85,13 @@ struct Options {
 
 bool parse_options(int argc, char** argv, Options& o, int rank) {
   CLI::App app{"prepare: images + .txt captions -> the cached SDXL dataset (docs/dataset.md)"};
-  auto* pipeline = app.add_option("--pipeline", o.pipeline, "diffusers SDXL pipeline folder (vae/, text_encoder/, "
+  auto* pipeline = app.add_option("--pipeline", o.models.pipeline, "diffusers SDXL pipeline folder (vae/, text_encoder/, "
                                                             "text_encoder_2/, tokenizer/, tokenizer_2/)");
-  auto* single = app.add_option("--single_file", o.single_file, "original single-file SDXL checkpoint (.safetensors); "
+  auto* single = app.add_option("--single_file", o.models.single_file, "original single-file SDXL checkpoint (.safetensors); "
                                                                 "needs --tokenizer and --tokenizer_2");
   pipeline->excludes(single);
-  app.add_option("--tokenizer", o.tokenizer, "tokenizer folder (default: PIPELINE/tokenizer)");
-  app.add_option("--tokenizer_2", o.tokenizer_2, "second tokenizer folder (default: PIPELINE/tokenizer_2)");
+  app.add_option("--tokenizer", o.models.tokenizer, "tokenizer folder (default: PIPELINE/tokenizer)");
+  app.add_option("--tokenizer_2", o.models.tokenizer_2, "second tokenizer folder (default: PIPELINE/tokenizer_2)");
   app.add_option("--images", o.images, "folder of images (.jpg .jpeg .png .webp, searched recursively) with "
                                        "same-named .txt captions")->required();
   app.add_option("--output", o.output, "dataset folder to write")->required();
@@ -127,13 +128,7 @@ bool parse_options(int argc, char** argv, Options& o, int rank) {
     if (e.get_exit_code() == 0) return false;
     std::exit(e.get_exit_code());
   }
-  ZERO_CHECK(!o.pipeline.empty() || !o.single_file.empty(), "give the models: --pipeline DIR or --single_file FILE");
-  if (!o.single_file.empty())
-    ZERO_CHECK(!o.tokenizer.empty() && !o.tokenizer_2.empty(),
-               "--single_file holds no tokenizers: give --tokenizer and --tokenizer_2 (the tokenizer/ and "
-               "tokenizer_2/ folders of an SDXL pipeline)");
-  if (o.tokenizer.empty()) o.tokenizer = (fs::path(o.pipeline) / "tokenizer").string();
-  if (o.tokenizer_2.empty()) o.tokenizer_2 = (fs::path(o.pipeline) / "tokenizer_2").string();
+  o.models.resolve(/*needs_tokenizers=*/true);
   return true;
 }
 
@@ -198,8 +193,7 @@ std::string state_name(std::size_t shard) {
 
 struct Models {
   sdxl::AutoencoderKL vae{nullptr};
-  sdxl::SdxlTextEncoders text;
-  std::optional<sdxl::ClipTokenizer> tokenizer, tokenizer_2;
+  std::optional<sdxl::PromptEncoder> text;
   torch::Device device{torch::kCPU};
   sdxl::data::TextDims text_dims;
   double scaling_factor = 0;
@@ -214,51 +208,12 @@ Models load_models(const Options& o, const zero::MpiCommunicator& comm) {
                                                                             std::max<int>(1, torch::cuda::device_count())));
   }
   const auto options = torch::TensorOptions().dtype(o.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32).device(m.device);
-  if (!o.pipeline.empty()) {
-    m.vae = sdxl::load_vae(o.pipeline, options);
-    m.text = sdxl::load_sdxl_text_encoders(o.pipeline, options);
-  } else {
-    m.vae = sdxl::load_vae_from_single_file(o.single_file, options);
-    m.text = sdxl::load_sdxl_text_encoders_from_single_file(o.single_file, options);
-  }
-  m.vae->eval();
-  m.text.text_encoder->eval();
-  m.text.text_encoder_2->eval();
-  m.tokenizer.emplace(sdxl::ClipTokenizer::load(o.tokenizer));
-  m.tokenizer_2.emplace(sdxl::ClipTokenizer::load(o.tokenizer_2));
-  ZERO_CHECK(m.tokenizer->max_length() == m.tokenizer_2->max_length(), "the tokenizers' max lengths differ: ",
-             m.tokenizer->max_length(), " (", o.tokenizer, ") and ", m.tokenizer_2->max_length(), " (", o.tokenizer_2,
-             ")");
-  const auto& c1 = m.text.text_encoder->config();
-  const auto& c2 = m.text.text_encoder_2->config();
-  for (const auto* tok : {&*m.tokenizer, &*m.tokenizer_2})
-    ZERO_CHECK(static_cast<std::int64_t>(tok->vocab_size()) <= std::min(c1.vocab_size, c2.vocab_size),
-               "a tokenizer's vocabulary (", tok->vocab_size(), " tokens) is larger than the text encoders' (",
-               std::min(c1.vocab_size, c2.vocab_size), "): tokenizer and models do not belong together");
-  m.text_dims = {static_cast<std::int64_t>(m.tokenizer->max_length()), c1.hidden_size + c2.hidden_size,
-                 c2.projection_dim};
+  m.vae = sdxl::load_source_vae(o.models, options);
+  m.text.emplace(o.models, options);
+  m.text_dims = m.text->text_dims();
   m.scaling_factor = m.vae->config().scaling_factor;
   m.vae_factor = std::int64_t{1} << (m.vae->config().block_out_channels.size() - 1);
   return m;
-}
-
-torch::Tensor token_ids(const sdxl::ClipTokenizer& tokenizer, const std::vector<std::string>& prompts) {
-  const auto length = static_cast<std::int64_t>(tokenizer.max_length());
-  torch::Tensor ids = torch::empty({static_cast<std::int64_t>(prompts.size()), length}, torch::kInt64);
-  for (std::size_t i = 0; i < prompts.size(); ++i) {
-    const sdxl::ClipEncoding encoding = tokenizer.encode(prompts[i]);
-    std::copy(encoding.input_ids.begin(), encoding.input_ids.end(), ids[static_cast<std::int64_t>(i)].data_ptr<int64_t>());
-  }
-  return ids;
-}
-
-// prompt_embeds [B, T, W] and pooled [B, Pw], float32 on the CPU.
-std::pair<torch::Tensor, torch::Tensor> encode_prompts(Models& m, const std::vector<std::string>& prompts) {
-  torch::NoGradGuard no_grad;
-  const auto c = sdxl::sdxl_text_conditioning(*m.text.text_encoder, token_ids(*m.tokenizer, prompts).to(m.device),
-                                              *m.text.text_encoder_2, token_ids(*m.tokenizer_2, prompts).to(m.device));
-  return {c.prompt_embeds.to(torch::kCPU, torch::kFloat32).contiguous(),
-          c.pooled_prompt_embeds.to(torch::kCPU, torch::kFloat32).contiguous()};
 }
 
 // ------------------------------------------------------------------ one shard
@@ -356,7 +311,7 @@ ShardResult encode_shard(const Options& o, Models& m, const std::vector<Bucket>&
     bool missing = false;
     std::string caption = read_caption(e.path, missing);
     try {
-      (void)m.tokenizer->token_ids(caption);
+      (void)m.text->tokenizer().token_ids(caption);
     } catch (const zero::InvalidArgument&) {
       bad_image(o, result, e, "its caption file is not valid UTF-8");
       continue;
@@ -408,7 +363,7 @@ ShardResult encode_shard(const Options& o, Models& m, const std::vector<Bucket>&
     const std::size_t stop = std::min(order.size(), start + batch);
     std::vector<std::string> captions;
     for (std::size_t s = start; s < stop; ++s) captions.push_back(prepared[order[s].prepared_index].caption);
-    auto [embeds, pooled] = encode_prompts(m, captions);
+    auto [embeds, pooled] = m.text->encode(captions);
     for (std::size_t s = start; s < stop; ++s) {
       result.samples[s].prompt_embeds = embeds[static_cast<std::int64_t>(s - start)];
       result.samples[s].pooled = pooled[static_cast<std::int64_t>(s - start)];
@@ -585,7 +540,7 @@ void write_index(const Options& o, Models& m, std::size_t shards, const std::fun
 
   // The empty prompt (caption dropout) and the validation prompts.
   const auto& dims = m.text_dims;
-  auto [empty_embeds, empty_pooled] = encode_prompts(m, {""});
+  auto [empty_embeds, empty_pooled] = m.text->encode({""});
   write_tensors(output / sdxl::data::kEmptyPromptFileName,
                 {{"prompt_embeds", empty_embeds[0]}, {"pooled_prompt_embeds", empty_pooled[0]}}, o.save_dtype);
   std::optional<Json> validation;
@@ -596,7 +551,7 @@ void write_index(const Options& o, Models& m, std::size_t shards, const std::fun
       const std::vector<std::string> part(prompts.begin() + static_cast<std::ptrdiff_t>(start),
                                           prompts.begin() + static_cast<std::ptrdiff_t>(std::min(
                                                                 prompts.size(), start + static_cast<std::size_t>(o.batch_size))));
-      auto [e, p] = encode_prompts(m, part);
+      auto [e, p] = m.text->encode(part);
       embeds.push_back(e);
       pooled.push_back(p);
     }
@@ -694,10 +649,10 @@ int run(int argc, char** argv) {
   Json bucket_list = Json::array();
   for (const Bucket& b : buckets) bucket_list.push_back({b.height, b.width});
   const Json settings_common{
-      {"pipeline", o.pipeline.empty() ? "" : fs::absolute(o.pipeline).lexically_normal().string()},
-      {"single_file", o.single_file.empty() ? "" : fs::absolute(o.single_file).lexically_normal().string()},
-      {"tokenizers", {fs::absolute(o.tokenizer).lexically_normal().string(),
-                      fs::absolute(o.tokenizer_2).lexically_normal().string()}},
+      {"pipeline", o.models.pipeline.empty() ? "" : fs::absolute(o.models.pipeline).lexically_normal().string()},
+      {"single_file", o.models.single_file.empty() ? "" : fs::absolute(o.models.single_file).lexically_normal().string()},
+      {"tokenizers", {fs::absolute(o.models.tokenizer).lexically_normal().string(),
+                      fs::absolute(o.models.tokenizer_2).lexically_normal().string()}},
       {"buckets", bucket_list}, {"flip", o.flip}, {"dtype", o.dtype}, {"save_dtype", o.save_dtype},
       {"max_image_pixels", o.max_image_pixels}, {"batch_size", o.batch_size}, {"shard_size", o.shard_size}};
   auto settings_of = [&](std::size_t k) {

@@ -47,6 +47,7 @@
 #include "train_groups.hpp"             // [model] freeze; parameter groups from [optimizer] no_weight_decay, [[optimizer.groups]]
 #include "train_lora.hpp"               // [lora]: adapters on the frozen UNet, their export
 #include "train_memory.hpp"             // the memory plan and max_gpu_memory
+#include "train_validation.hpp"         // [validation]: sample images while training
 #include "torch_errors.hpp"             // with_torch_errors: LibTorch's errors in one line
 #include "unet.hpp"                     // UNet2DConditionModel
 #include "unet_io.hpp"                  // read_unet_config
@@ -351,6 +352,8 @@ struct TrainData {
   std::unique_ptr<data::PrefetchingLoader> loader;
   // The dataset's empty-prompt conditioning, kept when caption_dropout > 0.
   std::optional<data::EmptyPrompt> empty_prompt;
+  // The dataset's cached validation prompts, kept when [validation] is on.
+  std::optional<data::ValidationPrompts> validation_prompts;
 };
 
 /// The dataset (synthetic or cached), each rank's sampler, the run's length
@@ -382,6 +385,8 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
                "caption_dropout = 0");
     d.empty_prompt = *empty;
   }
+  if (cfg.validation_every > 0 && dataset->validation_prompts() != nullptr)
+    d.validation_prompts = *dataset->validation_prompts();
   data::DistributedBucketSampler sampler(*dataset, {.batch_size = static_cast<std::size_t>(cfg.batch_size),
                                                      .world_size = host_comm.size(),
                                                      .rank = host_comm.rank(),
@@ -439,6 +444,7 @@ struct Run {
   GradientFaults& faults;
   TrainData& data;
   MetricsSinks& metrics;
+  ValidationImages* validation = nullptr;  // [validation] every > 0
   int world = 1;
   bool leader = false;
 
@@ -671,6 +677,20 @@ void stop_after_signal(Run& run, const StepLoop& loop, std::int64_t done, int si
 
 void export_trained_model(Run& run, const fs::path& where, std::int64_t epoch);
 
+/// The validation images of step `done` (train_validation.hpp); the device
+/// memory they took is given back before training goes on.
+void draw_validation_images(Run& run, std::int64_t done) {
+  with_torch_errors("step " + std::to_string(done) + ": validation images of " +
+                        std::to_string(run.cfg.validation_width) + "x" + std::to_string(run.cfg.validation_height),
+                    "lower [validation] height and width, or set [validation] every = 0 (validation needs a whole "
+                    "UNet in the model dtype on each rank with a prompt)",
+                    [&] {
+                      run.validation->generate(done, run.sharded().engine(), run.host_comm,
+                                               run.metrics.tensorboard ? &*run.metrics.tensorboard : nullptr);
+                    });
+  if (run.runtime.device().is_cuda()) (void)run.runtime.settled_memory();
+}
+
 /// The steps from the resumed one to the run's length, with their
 /// checkpoints and the exports of epochs. Ends early after stop_after steps,
 /// or after the step during which a rank got SIGTERM, SIGINT or SIGUSR1 (with
@@ -751,6 +771,7 @@ StepsEnd train_steps(Run& run) {
       stop_after_signal(run, loop, m.done, signal);
       return StepsEnd::stopped_by_signal;
     }
+    if (run.validation != nullptr && run.validation->due_after(m.done, steps)) draw_validation_images(run, m.done);
     if (cfg.stop_after > 0 && m.done == cfg.stop_after && m.done < steps) {
       checkpoint(m.done);
       if (run.leader)
@@ -843,8 +864,16 @@ int main(int argc, char** argv) {
     TrainData data = open_data(cfg, model, runtime.communicator(), host_comm);
     MetricsSinks metrics(cfg, data.resumed, host_comm);
 
+    // Before training: a validation that cannot work (prompts, pipeline, sizes) fails now.
+    const std::unique_ptr<ValidationImages> validation = ValidationImages::create(
+        cfg, data.validation_prompts ? &*data.validation_prompts : nullptr, data.text,
+        {.config = model.config, .parameter_names = model.parameter_names, .device = runtime.device(),
+         .dtype = model.compute_type},
+        host_comm);
+
     Run run{.cfg = cfg, .host_comm = host_comm, .runtime = runtime, .model = model, .faults = faults,
-            .data = data, .metrics = metrics, .world = host_comm.size(), .leader = leader};
+            .data = data, .metrics = metrics, .validation = validation.get(), .world = host_comm.size(),
+            .leader = leader};
     const StepsEnd end = train_steps(run);
     if (end == StepsEnd::stopped_by_signal) return kExitStoppedBySignal;
     if (end == StepsEnd::stopped_as_asked) return 0;

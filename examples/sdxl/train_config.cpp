@@ -289,6 +289,24 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"output", "export_unet", &c.export_unet, "export the UNet (and EMA UNet) in diffusers format at the end"},
       {"output", "merge_lora", &c.merge_lora,
        "with LoRA: also export the UNet with the adapters merged into its weights (output_dir/unet)"},
+      {"validation", "every", &c.validation_every,
+       "write validation images every this many steps and after the last one (output_dir/samples/step-N, "
+       "TensorBoard), with the EMA weights when ema_decay > 0; 0: off", "validation_every"},
+      {"validation", "negative_prompt", &c.validation_negative_prompt,
+       "negative prompt of every validation image (empty: zeros, as SDXL does)", "validation_negative_prompt"},
+      {"validation", "pipeline", &c.validation_pipeline,
+       "diffusers SDXL pipeline folder: its VAE decodes the images, its text encoders encode prompts the dataset has "
+       "not cached, its scheduler config gives the noise schedule", "validation_pipeline"},
+      {"validation", "steps", &c.validation_steps, "denoising steps per validation image", "validation_steps"},
+      {"validation", "guidance", &c.validation_guidance, "classifier-free guidance scale (> 1 enables it)",
+       "validation_guidance"},
+      {"validation", "seed", &c.validation_seed, "seed of image 0's initial noise (image i: seed + i; the same at "
+       "every validation)", "validation_seed"},
+      {"validation", "sampler", &c.validation_sampler, "euler, dpmpp_2m or dpmpp_2m_karras", "validation_sampler"},
+      {"validation", "height", &c.validation_height, "validation image height, pixels (a multiple of 8)",
+       "validation_height"},
+      {"validation", "width", &c.validation_width, "validation image width, pixels (a multiple of 8)",
+       "validation_width"},
       {"device", "device", &c.device, "cpu or cuda"},
       {"device", "cudnn_benchmark", &c.cudnn_benchmark,
        "time cuDNN's convolution algorithms on the first step of each shape and keep the fastest"},
@@ -434,7 +452,7 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
     const std::string table(table_key.str());
     const toml::table* entries = table_node.as_table();
     ZERO_CHECK(entries != nullptr, origin, ": top-level key '", table,
-               "' must be a table ([model], [lora], [data], [train], [optimizer], [zero], [output], [device])");
+               "' must be a table ([model], [lora], [data], [train], [optimizer], [zero], [output], [validation], [device])");
     for (const auto& [key_node, value] : *entries) {
       const std::string key(key_node.str());
       if (table == "model" && key == "freeze") {
@@ -447,6 +465,10 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
       }
       if (table == "optimizer" && key == "no_weight_decay") {
         config.no_weight_decay = string_list(value, origin + ": [optimizer] no_weight_decay");
+        continue;
+      }
+      if (table == "validation" && key == "prompts") {
+        config.validation_prompts = string_list(value, origin + ": [validation] prompts");
         continue;
       }
       if (table == "optimizer" && key == "groups") {
@@ -463,6 +485,7 @@ void apply_toml(TrainConfig& config, const toml::table& root, const std::string&
         if (key == "freeze") hint = " (it belongs in [model])";
         if (key == "targets") hint = " (it belongs in [lora])";
         if (key == "no_weight_decay" || key == "groups") hint = " (it belongs in [optimizer])";
+        if (key == "prompts") hint = " (it belongs in [validation])";
         ZERO_THROW(zero::InvalidArgument, origin, ": unknown key '", table, ".", key, "'", hint);
       }
       set_from_toml(*match, value, origin);
@@ -534,6 +557,21 @@ void TrainConfig::validate() const {
   ZERO_CHECK(noise_offset >= 0 && noise_offset < 1, "noise_offset must be in [0, 1), got ", noise_offset);
   ZERO_CHECK(caption_dropout >= 0 && caption_dropout <= 1, "caption_dropout ([data]) must be in [0, 1], got ",
              caption_dropout);
+  ZERO_CHECK(validation_every >= 0, "[validation] every must be >= 0 (0: off), got ", validation_every);
+  if (validation_every > 0) {
+    ZERO_CHECK(!validation_pipeline.empty(), "[validation] every = ", validation_every,
+               " needs [validation] pipeline (--validation_pipeline): the diffusers SDXL pipeline folder whose VAE "
+               "decodes the images");
+    ZERO_CHECK(validation_steps >= 1 && validation_steps <= 1000, "[validation] steps must be in [1, 1000], got ",
+               validation_steps);
+    ZERO_CHECK(std::isfinite(validation_guidance) && validation_guidance >= 0,
+               "[validation] guidance must be >= 0, got ", validation_guidance);
+    ZERO_CHECK(validation_seed >= 0, "[validation] seed must be >= 0, got ", validation_seed);
+    one_of(validation_sampler, {"euler", "dpmpp_2m", "dpmpp_2m_karras"}, "[validation] sampler");
+    for (const auto& [side, value] : {std::pair{"height", validation_height}, std::pair{"width", validation_width}})
+      ZERO_CHECK(value >= 8 && value <= 8192 && value % 8 == 0, "[validation] ", side,
+                 " must be a multiple of 8 in [8, 8192] pixels, got ", value);
+  }
   one_of(optimizer, {"adamw", "lion", "sgd"}, "optimizer");
   ZERO_CHECK(lr > 0 && std::isfinite(lr), "lr must be > 0, got ", lr);
   one_of(lr_schedule, {"constant", "linear", "cosine"}, "lr_schedule");
@@ -629,6 +667,8 @@ std::string TrainConfig::to_toml() const {
     if (table == "lora") out << "targets = " << pattern_list(lora_targets) << "\n";
     if (table == "optimizer" && !no_weight_decay.empty())
       out << "no_weight_decay = " << pattern_list(no_weight_decay) << "\n";
+    if (table == "validation" && !validation_prompts.empty())
+      out << "prompts = " << pattern_list(validation_prompts) << "\n";
   };
   for (const Option& o : options_of(copy)) {
     if (table != o.table) {
@@ -718,6 +758,12 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
                      "glob pattern of Linear layers to adapt (repeat for several); replaces [lora] targets [lora] "
                      "(default: " + pattern_list(defaults.lora_targets) + ")")
           ->type_name("PATTERN");
+  std::vector<std::string> validation_prompt_texts;
+  CLI::Option* validation_prompts_option =
+      app.add_option("--validation_prompt", validation_prompt_texts,
+                     "a validation prompt (repeat for several); replaces [validation] prompts [validation] (default: "
+                     "[]: the dataset's cached validation prompts)")
+          ->type_name("TEXT");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -750,6 +796,7 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
       if (!p.empty()) config.freeze.push_back(p);
   }
   if (lora_targets_option->count() > 0) config.lora_targets = lora_target_patterns;
+  if (validation_prompts_option->count() > 0) config.validation_prompts = validation_prompt_texts;
   config.validate();
   return true;
 }

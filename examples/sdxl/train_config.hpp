@@ -107,6 +107,23 @@ struct TrainConfig {
   bool save_final = true;              // checkpoint after the last step
   bool export_unet = true;             // export the UNet (and EMA UNet) after the last step
   bool merge_lora = false;             // with LoRA: also export the UNet with the adapters merged in
+  // [validation]: sample images while training (train_validation.hpp)
+  std::int64_t validation_every = 0;       // steps between validation images, also after the last step; 0: off
+  /// The prompts (one image each, prompt i on rank i mod N); empty: the
+  /// dataset's cached validation prompts (prepare --validation_prompts).
+  /// `--validation_prompt TEXT` (repeatable) replaces the list.
+  std::vector<std::string> validation_prompts;
+  std::string validation_negative_prompt;  // empty: zeros (SDXL's force_zeros_for_empty_prompt)
+  /// diffusers SDXL pipeline folder: its VAE decodes the images, its text
+  /// encoders encode prompts the dataset has not cached, its scheduler config
+  /// sets the noise schedule.
+  std::string validation_pipeline;
+  std::int64_t validation_steps = 30;
+  double validation_guidance = 5.0;
+  std::int64_t validation_seed = 0;        // image i's initial noise: seed + i (the same at every validation)
+  std::string validation_sampler = "euler";  // euler, dpmpp_2m, dpmpp_2m_karras
+  std::int64_t validation_height = 1024;
+  std::int64_t validation_width = 1024;
   // [device]
   std::string device = "cpu";          // cpu, cuda
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape

@@ -18,6 +18,29 @@ namespace sdxl {
 
 namespace fs = std::filesystem;
 
+UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                                  const std::vector<std::string>& names, torch::TensorOptions options,
+                                  const LoraOptions* lora) {
+  UNet2DConditionModel model(ucfg, UNetBuildOptions{.tensor_options = options, .initialize = false});
+  // The adapters' starting draw is overwritten below: a generator of its own
+  // keeps LibTorch's default one untouched.
+  if (lora != nullptr) model->add_lora(*lora, at::detail::createCPUGenerator(0));
+  std::map<std::string, torch::Tensor> by_name;
+  for (auto& item : model->named_parameters()) by_name[item.key()] = item.value();
+  ZERO_CHECK(by_name.size() == names.size(), "unet_holding: the UNet has ", by_name.size(), " parameters, the weights ",
+             names.size());
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto it = by_name.find(names[i]);
+    ZERO_CHECK(it != by_name.end(), "unet_holding: the UNet has no parameter '", names[i], "'");
+    torch::Tensor& p = it->second;
+    ZERO_CHECK(static_cast<std::int64_t>(weights[i].size()) == p.numel(), "unet_holding: '", names[i], "' has ",
+               p.numel(), " elements, its weights ", weights[i].size());
+    p.copy_(torch::from_blob(const_cast<float*>(weights[i].data()), p.sizes(), torch::kFloat32));
+  }
+  return model;
+}
+
 UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg) {
   // Strict loading overwrites every parameter: only a run without weights
   // needs the initialisation (SDXL's takes seconds).
@@ -109,18 +132,6 @@ void report_file(const fs::path& path, const std::string& what) {
   std::fflush(stdout);
 }
 
-UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
-                                  const std::vector<std::string>& names) {
-  UNet2DConditionModel model(ucfg, UNetBuildOptions{.initialize = false});
-  std::map<std::string, torch::Tensor> by_name;
-  for (auto& item : model->named_parameters()) by_name[item.key()] = item.value();
-  torch::NoGradGuard no_grad;
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    torch::Tensor p = by_name.at(names[i]);
-    p.copy_(torch::from_blob(const_cast<float*>(weights[i].data()), p.sizes(), torch::kFloat32));
-  }
-  return model;
-}
 
 /// The folder `where` and, with export_single_file, `where`.safetensors.
 void save_unet_files(const TrainConfig& c, const UNet2DConditionModelImpl& model, const fs::path& where,

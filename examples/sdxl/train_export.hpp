@@ -22,6 +22,15 @@ namespace sdxl {
 /// the exact values of frozen parameters (exact_frozen_values).
 UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg);
 
+/// A UNet of `ucfg` in `options`' dtype and device holding `weights` (fp32,
+/// in the order of `names`, as Engine::gather_* return them), with LoRA
+/// adapters added first when `lora` is given (their names are in `names`).
+/// zero::Error when a name or size does not match the UNet.
+UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                                  const std::vector<std::string>& names,
+                                  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
+                                  const LoraOptions* lora = nullptr);
+
 /// Frozen parameters keep their starting values, but the engine holds only
 /// their rounding to the model dtype (bf16, fp16), which is what
 /// Engine::gather_*_params returns for them. For each of `exports` (engine

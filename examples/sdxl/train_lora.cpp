@@ -18,10 +18,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-LoraOptions lora_options(const TrainConfig& c) {
-  return {.rank = c.lora_rank, .alpha = lora_alpha(c), .dropout = c.lora_dropout, .targets = c.lora_targets};
-}
-
 /// A base model of the config, without storage: names and shapes only.
 UNet2DConditionModel meta_unet(const UNetConfig& ucfg) {
   return UNet2DConditionModel(
@@ -30,6 +26,10 @@ UNet2DConditionModel meta_unet(const UNetConfig& ucfg) {
 }
 
 }  // namespace
+
+LoraOptions lora_options(const TrainConfig& c) {
+  return {.rank = c.lora_rank, .alpha = lora_alpha(c), .dropout = c.lora_dropout, .targets = c.lora_targets};
+}
 
 double lora_alpha(const TrainConfig& c) {
   return c.lora_alpha > 0 ? c.lora_alpha : static_cast<double>(c.lora_rank);

@@ -19,6 +19,9 @@ inline bool lora_enabled(const TrainConfig& c) { return c.lora_rank > 0; }
 /// alpha / rank as the adapters apply it ([lora] alpha = 0 means alpha = rank).
 double lora_alpha(const TrainConfig& c);
 
+/// The adapters [lora] asks for (rank, alpha, dropout, targets).
+LoraOptions lora_options(const TrainConfig& c);
+
 /// Adds the adapters (A drawn from [train] seed, the same on every rank) and,
 /// with [lora] init_from, loads their starting values.
 void add_lora_adapters(const TrainConfig& c, UNet2DConditionModelImpl& unet);

@@ -81,6 +81,11 @@ void DelayedOffloadUpdater::settle() {
   upload();
 }
 
+void DelayedOffloadUpdater::settle_for_reading() {
+  join_ema();
+  join();
+}
+
 void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
   Backend& be = m_.backend;
   const auto& buckets = m_.layout.buckets();

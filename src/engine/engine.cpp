@@ -202,6 +202,11 @@ void Engine::Impl::settle() {
   finish_param_gathers();
 }
 
+void Engine::Impl::settle_for_reading() {
+  updater->settle_for_reading();
+  finish_param_gathers();
+}
+
 void Engine::Impl::state_to_host(void* host_dst, const void* state, std::size_t bytes) {
   if (plan.optimizer_on_host) backend.host_copy(host_dst, state, bytes);
   else backend.copy_to_host(host_dst, state, bytes);

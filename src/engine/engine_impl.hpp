@@ -125,6 +125,8 @@ struct Engine::Impl {
   /// Before anything reads or writes the state outside step(): a delayed
   /// update completed and uploaded, the parameter gathers done.
   void settle();
+  /// Before the state is only read (Updater::settle_for_reading), the parameter gathers done.
+  void settle_for_reading();
 
   // ---------------------------------------------------------------- shared pieces
   /// Makes `waiter` wait for the work queued on `producer` so far (an event,

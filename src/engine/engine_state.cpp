@@ -67,21 +67,29 @@ std::vector<std::vector<float>> Engine::in_engine_order(std::vector<std::vector<
 
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
   Impl& m = *impl_;
-  m.settle();
+  m.settle_for_reading();
   Backend& be = m.backend;
-  const std::size_t full = layout_.padded_numel();
-  std::vector<float> host(full);
+  const std::vector<Bucket>& buckets = layout_.buckets();
+  std::vector<float> host(layout_.padded_numel());
+  std::size_t largest = 0;
+  for (const Bucket& bucket : buckets) largest = std::max(largest, bucket.padded);
+  if (largest == 0) return split_params(layout_, host);
   be.synchronize(be.compute_stream());
-  float* gathered = static_cast<float*>(be.allocate(full * 4));
+  // One bucket at a time through one bucket-sized device buffer: exports and
+  // validation images read the weights mid-run, beside the training state,
+  // and must not need a full fp32 copy of the model on the device.
+  float* gathered = static_cast<float*>(be.allocate(largest * 4));
   try {
-    for (auto& w : m.gather_buckets(gathered, DType::fp32, slice, m.plan.optimizer_on_host)) w->wait();
-    be.synchronize(be.comm_stream());
-    be.copy_to_host(host.data(), gathered, full * 4);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      m.gather_bucket(b, gathered, DType::fp32, slice(b), m.plan.optimizer_on_host)->wait();
+      be.synchronize(be.comm_stream());
+      be.copy_to_host(host.data() + buckets[b].offset, gathered, buckets[b].padded * 4);
+    }
   } catch (...) {
-    be.deallocate(gathered, full * 4);
+    be.deallocate(gathered, largest * 4);
     throw;
   }
-  be.deallocate(gathered, full * 4);
+  be.deallocate(gathered, largest * 4);
   return split_params(layout_, host);
 }
 
@@ -97,17 +105,23 @@ std::vector<std::vector<float>> gather_model_values(Engine::Impl& m, const FlatL
   if (full_buffer) {
     be.copy_to_host(raw.data(), full_buffer, raw.size());
   } else {
-    std::byte* gathered = static_cast<std::byte*>(be.allocate(raw.size()));
+    // Bucket by bucket, as gather_fp32_slices does (no full copy on the device).
+    std::size_t largest = 0;
+    for (const Bucket& bucket : layout.buckets()) largest = std::max(largest, bucket.padded * m.p_size);
+    std::byte* gathered = largest == 0 ? nullptr : static_cast<std::byte*>(be.allocate(largest));
     try {
-      auto own = [&](std::size_t b) -> const void* { return shard + layout.buckets()[b].shard_offset * m.p_size; };
-      for (auto& w : m.gather_buckets_of(layout, gathered, m.pdt, own, m.plan.params_on_host)) w->wait();
-      be.synchronize(be.comm_stream());
-      be.copy_to_host(raw.data(), gathered, raw.size());
+      for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
+        const Bucket& bucket = layout.buckets()[b];
+        m.gather_bucket_of(layout, b, gathered, m.pdt, shard + bucket.shard_offset * m.p_size, m.plan.params_on_host)
+            ->wait();
+        be.synchronize(be.comm_stream());
+        be.copy_to_host(raw.data() + bucket.offset * m.p_size, gathered, bucket.padded * m.p_size);
+      }
     } catch (...) {
-      be.deallocate(gathered, raw.size());
+      if (gathered) be.deallocate(gathered, largest);
       throw;
     }
-    be.deallocate(gathered, raw.size());
+    if (gathered) be.deallocate(gathered, largest);
   }
   std::vector<float> host(full);
   for (std::size_t i = 0; i < full; ++i) host[i] = load_as_float(raw.data(), i, m.pdt);
@@ -123,7 +137,7 @@ std::vector<std::vector<float>> Engine::gather_model_params() {
 
 std::vector<std::vector<float>> Engine::gather_frozen_params() {
   Impl& m = *impl_;
-  m.settle();
+  m.settle_for_reading();  // frozen values never change: nothing to send up first
   return gather_model_values(m, frozen_layout_, m.frozen_full, m.frozen_shard);
 }
 

@@ -46,6 +46,11 @@ class Updater {
   virtual void apply(const UpdateArgs& args, StepResult& result) = 0;
   /// Before anything reads or writes the state outside step(): nothing pending.
   virtual void settle() {}
+  /// Before the state is only read outside step() (gathers for exports and
+  /// validation images): every update running on the host has finished, but
+  /// what reaches the device, and when, stays as if nothing had been read,
+  /// so that reading mid-run does not change the next step.
+  virtual void settle_for_reading() { settle(); }
   /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
   virtual std::byte* host_gradients() { return nullptr; }
   /// The model-dtype parameters recomputed from the master weights (after a

@@ -78,6 +78,9 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   void finish_previous(StepResult& result) override;
   void apply(const UpdateArgs& args, StepResult& result) override;
   void settle() override;
+  /// Joins the background update but leaves its parameters to go up at the
+  /// next step(), as they would without the read.
+  void settle_for_reading() override;
 
  private:
   /// Starts the CPU update of this step's gradients on a background thread;

@@ -862,14 +862,13 @@ int main(int argc, char** argv) {
     check_export_options(cfg, *model.unet, leader);  // before training: a bad export_full_checkpoint fails now
 
     TrainData data = open_data(cfg, model, runtime.communicator(), host_comm);
-    MetricsSinks metrics(cfg, data.resumed, host_comm);
-
     // Before training: a validation that cannot work (prompts, pipeline, sizes) fails now.
     const std::unique_ptr<ValidationImages> validation = ValidationImages::create(
         cfg, data.validation_prompts ? &*data.validation_prompts : nullptr, data.text,
         {.config = model.config, .parameter_names = model.parameter_names, .device = runtime.device(),
          .dtype = model.compute_type},
         host_comm);
+    MetricsSinks metrics(cfg, data.resumed, host_comm);
 
     Run run{.cfg = cfg, .host_comm = host_comm, .runtime = runtime, .model = model, .faults = faults,
             .data = data, .metrics = metrics, .validation = validation.get(), .world = host_comm.size(),

@@ -21,6 +21,7 @@ FORMAT_VERSION = 1
 # datasets without one stay version 1.
 FORMAT_VERSION_EMPTY_PROMPT = 2
 EMPTY_PROMPT_FILE = "empty_prompt.safetensors"
+VALIDATION_PROMPTS_FILE = "validation_prompts.safetensors"
 LATENT_CHANNELS = 4
 SDXL_VAE_SCALING_FACTOR = 0.13025
 
@@ -109,6 +110,7 @@ class DatasetWriter:
     pending: list = field(default_factory=list)
     pending_samples: int = 0
     empty_prompt: dict = None  # {"file", "size", "sha256"} once set_empty_prompt wrote it
+    validation_prompts: dict = None  # {"file", "size", "prompts"} once set_validation_prompts wrote it
 
     def __post_init__(self):
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -154,6 +156,24 @@ class DatasetWriter:
         sha256 = write_atomically(path, safetensors_chunks(tensors, {"format": FORMAT_NAME}))
         self.empty_prompt = {"file": EMPTY_PROMPT_FILE, "size": path.stat().st_size, "sha256": sha256}
 
+    def set_validation_prompts(self, prompts, prompt_embeds, pooled):
+        """The trainer's validation prompts and their conditioning: (dtype,
+        shape, bytes) triples [P, T, W] and [P, pooled_width] in the dataset's
+        text dims, written at once as validation_prompts.safetensors (a
+        version-2 entry of index.json, as prepare --validation_prompts writes)."""
+        rows = len(prompts)
+        dims = self.text_dims
+        if tuple(prompt_embeds[1]) != (rows, dims["sequence_length"], dims["width"]):
+            raise ValueError(f"validation prompt_embeds shape {prompt_embeds[1]} differs from {rows} x {dims}")
+        if tuple(pooled[1]) != (rows, dims["pooled_width"]):
+            raise ValueError(f"validation pooled shape {pooled[1]} differs from {rows} x {dims}")
+        path = self.directory / VALIDATION_PROMPTS_FILE
+        tensors = [("prompt_embeds", prompt_embeds[0], tuple(prompt_embeds[1]), prompt_embeds[2]),
+                   ("pooled_prompt_embeds", pooled[0], tuple(pooled[1]), pooled[2])]
+        write_atomically(path, safetensors_chunks(tensors, {"format": FORMAT_NAME}))
+        self.validation_prompts = {"file": VALIDATION_PROMPTS_FILE, "size": path.stat().st_size,
+                                   "prompts": list(prompts)}
+
     def flush(self):
         if not self.pending_samples:
             return
@@ -171,13 +191,15 @@ class DatasetWriter:
         lines = [
             "{",
             f'  "format": {json.dumps(FORMAT_NAME)},',
-            f'  "version": {FORMAT_VERSION_EMPTY_PROMPT if self.empty_prompt else FORMAT_VERSION},',
+            f'  "version": {FORMAT_VERSION_EMPTY_PROMPT if self.empty_prompt or self.validation_prompts else FORMAT_VERSION},',
             f'  "latent_channels": {LATENT_CHANNELS},',
             f'  "vae_scaling_factor": {json.dumps(self.vae_scaling_factor)},',
             f'  "text": {json.dumps(self.text_dims)},',
         ]
         if self.empty_prompt:
             lines.append(f'  "empty_prompt": {json.dumps(self.empty_prompt)},')
+        if self.validation_prompts:
+            lines.append(f'  "validation_prompts": {json.dumps(self.validation_prompts, ensure_ascii=False)},')
         lines += [
             f'  "num_samples": {len(self.records)},',
             '  "shards": [',

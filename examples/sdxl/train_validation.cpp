@@ -184,9 +184,17 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
   const auto start = std::chrono::steady_clock::now();
   const fs::path folder = folder_of(done);
   fs::create_directories(folder);
+  const auto since = [](std::chrono::steady_clock::time_point from) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
+  };
+  // Where the time goes, per phase (the slowest rank's): gathering the
+  // weights, building the UNet and VAE on the device, drawing and decoding.
+  double phases[3] = {0, 0, 0};
   // Collective: every rank takes part, with or without prompts of its own.
   std::vector<std::vector<float>> weights = c.ema_decay > 0 ? engine.gather_ema_params() : engine.gather_master_params();
+  phases[0] = since(start);
   if (!s.mine.empty()) {
+    const auto build_start = std::chrono::steady_clock::now();
     torch::NoGradGuard no_grad;
     const auto options = torch::TensorOptions().dtype(s.model.dtype).device(s.model.device);
     const LoraOptions lora = lora_options(c);
@@ -202,6 +210,8 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
     sampling.height = c.validation_height;
     sampling.width = c.validation_width;
     sampling.vae_scale_factor = s.vae_factor;
+    phases[1] = since(build_start);
+    const auto draw_start = std::chrono::steady_clock::now();
     for (const DrawnPrompt& d : s.mine) {
       sampling.seed = static_cast<std::uint64_t>(c.validation_seed) + d.index;
       const TextConditioning text{.prompt_embeds = d.embeds, .pooled_prompt_embeds = d.pooled,
@@ -211,11 +221,13 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       const torch::Tensor image = vae->decode(result.latents / s.scaling_factor);
       write_png(folder / file_name(d.index, d.text), to_uint8_hwc(image[0]));
     }
+    phases[2] = since(draw_start);
   }
   weights = {};
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double seconds = since(start);
   // Also the barrier after which rank 0 finds every rank's images on disk.
   host_comm.all_reduce_host_f64(&seconds, 1, zero::ReduceOp::max);
+  host_comm.all_reduce_host_f64(phases, 3, zero::ReduceOp::max);
   if (tensorboard == nullptr) return seconds;
   nlohmann::json images = nlohmann::json::array();
   for (std::size_t i = 0; i < s.prompts.size(); ++i) {
@@ -236,12 +248,15 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       {"step", done}, {"weights", c.ema_decay > 0 ? "ema" : "trained"}, {"height", c.validation_height},
       {"width", c.validation_width}, {"steps", c.validation_steps}, {"guidance", c.validation_guidance},
       {"sampler", c.validation_sampler}, {"negative_prompt", c.validation_negative_prompt},
-      {"pipeline", c.validation_pipeline}, {"seconds", seconds}, {"images", images}};
+      {"pipeline", c.validation_pipeline}, {"seconds", seconds},
+      {"seconds_by_phase", {{"gather_weights", phases[0]}, {"build_unet_and_vae", phases[1]}, {"draw", phases[2]}}},
+      {"images", images}};
   const std::string text = index.dump(2) + "\n";
   zero::io::write_file_atomically(folder / "index.json",
                                   std::span<const std::byte>(reinterpret_cast<const std::byte*>(text.data()), text.size()));
-  std::printf("step %lld: validation: %zu image(s) in %.2f s -> %s\n", static_cast<long long>(done), s.prompts.size(),
-              seconds, folder.c_str());
+  std::printf("step %lld: validation: %zu image(s) in %.2f s (slowest rank: gather %.2f s, build %.2f s, draw %.2f s) "
+              "-> %s\n",
+              static_cast<long long>(done), s.prompts.size(), seconds, phases[0], phases[1], phases[2], folder.c_str());
   std::fflush(stdout);
   return seconds;
 }

@@ -95,11 +95,17 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
           CHECK(got.clip_coefficient < 1);  // clipping is exercised
           seen.push_back(read_model_params(sync, &backend));
         }
-        // Reading the state completes the pending update and uploads it.
+        // Reading the state (exports, validation images) waits for the
+        // running update, so it reads the latest weights, but leaves the
+        // upload to the next step: the model still holds the update before.
         CHECK(bitwise_equal(delayed.gather_master_params(), sync.gather_master_params()));
         CHECK(bitwise_equal(delayed.gather_ema_params(), sync.gather_ema_params()));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(0), sync.gather_optimizer_state(0)));
         CHECK(bitwise_equal(delayed.gather_optimizer_state(1), sync.gather_optimizer_state(1)));
+        CHECK(bitwise_equal(read_model_params(delayed, &backend), seen[seen.size() - 2]));
+        // What settles the engine for writing (here the model's own gather;
+        // save_state too) sends the finished update up.
+        (void)delayed.gather_model_params();
         CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
         // One more gradient shard where backward streams into one (one
         // micro-step), and one more parameter copy: a staging copy, or with

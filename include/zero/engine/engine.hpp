@@ -177,10 +177,15 @@ class Engine {
 
   // ------------------------------------------------------------ inspection (collective)
   /// All parameters as fp32 master values, in parameter order, each numel long
-  /// (collective: every rank must call it). For tests and checkpoints. Frozen
-  /// parameters (here and in the EMA) are their model-dtype values widened.
+  /// (collective: every rank must call it). For tests, exports and validation
+  /// images. Frozen parameters (here and in the EMA) are their model-dtype
+  /// values widened. Reading leaves the next step as it would be: with the
+  /// delayed offload update it waits for the running update (the values are
+  /// the latest) but leaves its upload to the next step. Gathered one bucket
+  /// at a time through a bucket-sized device buffer.
   std::vector<std::vector<float>> gather_master_params();
   /// All parameters as model-dtype values widened to float (collective).
+  /// Settles the engine first: a finished delayed update is sent up.
   std::vector<std::vector<float>> gather_model_params();
   /// The EMA weights (collective); throws when EMA is off.
   std::vector<std::vector<float>> gather_ema_params();

@@ -20,8 +20,9 @@
 #include "pipeline_source.hpp"
 #include "png_output.hpp"
 #include "sampling.hpp"
-#include "train_export.hpp"
 #include "train_lora.hpp"
+#include "unet.hpp"
+#include "zero/torch/sharded_model.hpp"
 #endif
 
 namespace sdxl {
@@ -187,21 +188,51 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
   const auto since = [](std::chrono::steady_clock::time_point from) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count();
   };
-  // Where the time goes, per phase (the slowest rank's): gathering the
-  // weights, building the UNet and VAE on the device, drawing and decoding.
+  // Where the time goes, per phase (the slowest rank's): the UNet built and
+  // the weights gathered into it, the VAE loaded, drawing and decoding.
   double phases[3] = {0, 0, 0};
-  // Collective: every rank takes part, with or without prompts of its own.
-  std::vector<std::vector<float>> weights = c.ema_decay > 0 ? engine.gather_ema_params() : engine.gather_master_params();
-  phases[0] = since(start);
+  // The UNet is built first and the weights copied into it straight from the
+  // engine's gathered buckets (on the GPU: no trip through host memory).
+  std::optional<UNet2DConditionModel> unet;
+  std::vector<torch::Tensor> parameter_of;  // engine order
+  const auto options = torch::TensorOptions().dtype(s.model.dtype).device(s.model.device);
   if (!s.mine.empty()) {
-    const auto build_start = std::chrono::steady_clock::now();
-    torch::NoGradGuard no_grad;
-    const auto options = torch::TensorOptions().dtype(s.model.dtype).device(s.model.device);
     const LoraOptions lora = lora_options(c);
-    UNet2DConditionModel unet =
-        unet_holding(s.model.config, weights, s.model.parameter_names, options, lora_enabled(c) ? &lora : nullptr);
-    weights = {};  // the host copy is no longer needed while drawing
-    unet->eval();
+    unet.emplace(s.model.config, UNetBuildOptions{.tensor_options = options, .initialize = false});
+    // The adapters' starting draw is overwritten below: a generator of its
+    // own keeps LibTorch's default one untouched.
+    if (lora_enabled(c)) (*unet)->add_lora(lora, at::detail::createCPUGenerator(0));
+    std::map<std::string, torch::Tensor> by_name;
+    for (auto& item : (*unet)->named_parameters()) by_name[item.key()] = item.value();
+    ZERO_CHECK(by_name.size() == s.model.parameter_names.size(), "validation: the UNet has ", by_name.size(),
+               " parameters, the engine ", s.model.parameter_names.size());
+    for (const std::string& name : s.model.parameter_names) {
+      const auto it = by_name.find(name);
+      ZERO_CHECK(it != by_name.end(), "validation: the UNet has no parameter '", name, "'");
+      parameter_of.push_back(it->second);
+    }
+  }
+  const bool on_gpu = s.model.device.is_cuda();
+  torch::NoGradGuard no_grad;
+  // Collective: every rank takes part, with or without prompts of its own.
+  engine.visit_params(c.ema_decay > 0 ? zero::Engine::Weights::ema : zero::Engine::Weights::master,
+                      [&](std::size_t p, const void* values, zero::DType dtype, std::size_t numel) {
+                        if (!unet) return;
+                        torch::Tensor& target = parameter_of[p];
+                        ZERO_CHECK(static_cast<std::int64_t>(numel) == target.numel(), "validation: parameter '",
+                                   s.model.parameter_names[p], "' has ", target.numel(), " elements, the engine ",
+                                   numel);
+                        target.copy_(torch::from_blob(const_cast<void*>(values), target.sizes(),
+                                                      torch::TensorOptions()
+                                                          .dtype(zero::adapter::scalar_type_of(dtype))
+                                                          .device(s.model.device)));
+                        // The engine reuses the buffer once this returns.
+                        if (on_gpu) torch::cuda::synchronize();
+                      });
+  phases[0] = since(start);
+  if (unet) {
+    const auto build_start = std::chrono::steady_clock::now();
+    (*unet)->eval();
     AutoencoderKL vae = load_source_vae(s.source, options);
     SamplingOptions sampling;
     sampling.scheduler = s.scheduler;
@@ -217,13 +248,13 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       const TextConditioning text{.prompt_embeds = d.embeds, .pooled_prompt_embeds = d.pooled,
                                   .negative_prompt_embeds = s.negative_embeds,
                                   .negative_pooled_prompt_embeds = s.negative_pooled};
-      const SamplingResult result = sample_latents(*unet, text, sampling);
+      const SamplingResult result = sample_latents(**unet, text, sampling);
       const torch::Tensor image = vae->decode(result.latents / s.scaling_factor);
       write_png(folder / file_name(d.index, d.text), to_uint8_hwc(image[0]));
     }
     phases[2] = since(draw_start);
   }
-  weights = {};
+  unet.reset();
   double seconds = since(start);
   // Also the barrier after which rank 0 finds every rank's images on disk.
   host_comm.all_reduce_host_f64(&seconds, 1, zero::ReduceOp::max);
@@ -249,12 +280,12 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       {"width", c.validation_width}, {"steps", c.validation_steps}, {"guidance", c.validation_guidance},
       {"sampler", c.validation_sampler}, {"negative_prompt", c.validation_negative_prompt},
       {"pipeline", c.validation_pipeline}, {"seconds", seconds},
-      {"seconds_by_phase", {{"gather_weights", phases[0]}, {"build_unet_and_vae", phases[1]}, {"draw", phases[2]}}},
+      {"seconds_by_phase", {{"unet_and_weights", phases[0]}, {"vae", phases[1]}, {"draw", phases[2]}}},
       {"images", images}};
   const std::string text = index.dump(2) + "\n";
   zero::io::write_file_atomically(folder / "index.json",
                                   std::span<const std::byte>(reinterpret_cast<const std::byte*>(text.data()), text.size()));
-  std::printf("step %lld: validation: %zu image(s) in %.2f s (slowest rank: gather %.2f s, build %.2f s, draw %.2f s) "
+  std::printf("step %lld: validation: %zu image(s) in %.2f s (slowest rank: UNet and weights %.2f s, VAE %.2f s, draw %.2f s) "
               "-> %s\n",
               static_cast<long long>(done), s.prompts.size(), seconds, phases[0], phases[1], phases[2], folder.c_str());
   std::fflush(stdout);

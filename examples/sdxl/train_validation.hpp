@@ -5,15 +5,15 @@
 // output_dir/samples/step-NNNNNNNN/ with an index.json, and shown in
 // TensorBoard (tags validation/NN) by rank 0.
 //
-// Training does not notice: the weights are read with Engine::gather_*
+// Training does not notice: the weights are read with Engine::visit_params
 // (which, with offload_delayed_update, waits for the running update but
-// leaves its upload to the next step as before), the images are drawn by a
-// separate UNet in the model dtype, built for the occasion and freed after,
-// and the initial noise comes from a CPU generator of its own (seed + i, the
-// same at every validation, so the images of successive steps compare).
-// Memory: one UNet in the model dtype on each rank that has a prompt (SDXL
-// in bf16: 5.1 GB) plus the sampling's activations, for the duration; the
-// fp32 weights pass through host memory (4 bytes per parameter per rank).
+// leaves its upload to the next step as before), straight from the gathered
+// buckets on the device into a separate UNet in the model dtype, built for
+// the occasion and freed after, and the initial noise comes from a CPU
+// generator of its own (seed + i, the same at every validation, so the
+// images of successive steps compare). Memory: one UNet in the model dtype
+// on each rank that has a prompt (SDXL in bf16: 5.1 GB), one gather bucket,
+// and the sampling's activations, for the duration; nothing on the host.
 #pragma once
 
 #include <torch/torch.h>

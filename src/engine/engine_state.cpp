@@ -44,6 +44,55 @@ std::vector<std::vector<float>> Engine::gather_ema_params() {
       gather_fp32_slices([&m](std::size_t b) -> const float* { return m.optimizer_slice(m.ema, b); }));
 }
 
+void Engine::visit_params(Weights which, const ParamVisitor& visit) {
+  Impl& m = *impl_;
+  ZERO_CHECK(which == Weights::master || m.ema != nullptr, "visit_params: EMA is off (EngineOptions.ema_decay is 0)");
+  m.settle_for_reading();
+  Backend& be = m.backend;
+  be.synchronize(be.compute_stream());
+  // Engine index of each parameter of either layout.
+  std::vector<std::size_t> trained_param(layout_.params().size()), frozen_param(frozen_layout_.params().size());
+  for (std::size_t p = 0; p < params_.size(); ++p)
+    (params_[p].frozen ? frozen_param : trained_param)[index_in_layout_[p]] = p;
+  // Before the first step the average is the weights (gather_ema_params).
+  const bool ema = which == Weights::ema && m.ema_initialized;
+  // Each bucket of `layout` into one bucket-sized buffer (or read in place
+  // from `full`), then its parameters handed out.
+  auto visit_layout = [&](const FlatLayout& layout, const std::vector<std::size_t>& engine_param, DType dtype,
+                          const std::byte* full, const std::function<WorkPtr(std::size_t, void*)>& gather) {
+    const std::size_t element = size_of(dtype);
+    std::size_t largest = 0;
+    for (const Bucket& bucket : layout.buckets()) largest = std::max(largest, bucket.padded * element);
+    std::byte* buffer = full != nullptr || largest == 0 ? nullptr : static_cast<std::byte*>(be.allocate(largest));
+    try {
+      for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
+        const Bucket& bucket = layout.buckets()[b];
+        const std::byte* values = full != nullptr ? full + bucket.offset * element : buffer;
+        if (full == nullptr) {
+          gather(b, buffer)->wait();
+          be.synchronize(be.comm_stream());
+        }
+        for (std::size_t t = bucket.first_param; t < bucket.first_param + bucket.param_count; ++t) {
+          const ParamSlot& slot = layout.slots()[t];
+          visit(engine_param[t], values + (slot.offset - bucket.offset) * element, dtype, slot.numel);
+        }
+      }
+    } catch (...) {
+      if (buffer) be.deallocate(buffer, largest);
+      throw;
+    }
+    if (buffer) be.deallocate(buffer, largest);
+  };
+  visit_layout(layout_, trained_param, DType::fp32, nullptr, [&](std::size_t b, void* buffer) {
+    const float* own = ema ? m.optimizer_slice(m.ema, b) : m.master_slice(b);
+    return m.gather_bucket(b, buffer, DType::fp32, own, m.plan.optimizer_on_host);
+  });
+  visit_layout(frozen_layout_, frozen_param, m.pdt, m.frozen_full, [&](std::size_t b, void* buffer) {
+    const std::byte* own = m.frozen_shard + frozen_layout_.buckets()[b].shard_offset * m.p_size;
+    return m.gather_bucket_of(frozen_layout_, b, buffer, m.pdt, own, m.plan.params_on_host);
+  });
+}
+
 std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
   Impl& m = *impl_;
   float* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;

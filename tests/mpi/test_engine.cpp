@@ -117,6 +117,55 @@ TEST_CASE("frozen parameters stay bitwise unchanged and hold no gradient, master
   }
 }
 
+// Readers that want the weights where the engine keeps them (the trainer's
+// validation images) visit them bucket by bucket: every parameter once, the
+// values the gathers return, frozen ones in the model dtype.
+TEST_CASE("visit_params hands out what gather_master_params and gather_ema_params return") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  Config c = configs().front();
+  c.dtype = DType::bf16;
+  c.ema_decay = 0.9;
+  c.frozen = {W1, GAIN, UNUSED};
+  struct Variant {
+    int stage;
+    bool offload, offload_params;
+  };
+  for (const Variant v : {Variant{0, false, false}, Variant{2, false, false}, Variant{3, false, false},
+                          Variant{2, true, false}, Variant{3, true, true}}) {
+    CAPTURE(v.stage);
+    CAPTURE(v.offload_params);
+    Config run = c;
+    run.offload = v.offload;
+    run.offload_params = v.offload_params;
+    Engine engine(mlp_units_of(run), engine_options(run, v.stage), comm, *backend);
+    init_random_params(engine);
+    for (int k = 1; k <= 3; ++k) run_step(engine, k, comm.rank(), StepGradient::pull_to_half);
+    for (const Engine::Weights which : {Engine::Weights::master, Engine::Weights::ema}) {
+      CAPTURE(static_cast<int>(which));
+      const auto gathered =
+          which == Engine::Weights::master ? engine.gather_master_params() : engine.gather_ema_params();
+      std::vector<std::vector<float>> visited(engine.param_count());
+      std::vector<int> visits(engine.param_count(), 0);
+      engine.visit_params(which, [&](std::size_t p, const void* values, DType dtype, std::size_t numel) {
+        ++visits[p];
+        CHECK(dtype == (engine.frozen(p) ? c.dtype : DType::fp32));
+        CHECK(numel == engine.params()[p].numel);
+        for (std::size_t k = 0; k < numel; ++k) visited[p].push_back(load_as_float(values, k, dtype));
+      });
+      CHECK(visits == std::vector<int>(engine.param_count(), 1));
+      CHECK(bitwise_equal(visited, gathered));
+    }
+    // The EMA moved away from the weights, so the two visits differ.
+    CHECK_FALSE(bitwise_equal(engine.gather_master_params(), engine.gather_ema_params()));
+  }
+  Config no_ema = c;
+  no_ema.ema_decay = 0;
+  Engine engine(mlp_units_of(no_ema), engine_options(no_ema, 2), comm, *backend);
+  CHECK_THROWS_AS(engine.visit_params(Engine::Weights::ema, [](std::size_t, const void*, DType, std::size_t) {}),
+                  InvalidArgument);
+}
+
 // ZeRO-Offload runs the same per-element math on the CPU (bit-identical to
 // the device kernels), so moving the optimizer to host memory must not change
 // a single bit of the weights, the EMA or the gradient norms.

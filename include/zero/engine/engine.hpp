@@ -190,6 +190,23 @@ class Engine {
   /// The EMA weights (collective); throws when EMA is off.
   std::vector<std::vector<float>> gather_ema_params();
 
+  /// Which weights visit_params reads: the fp32 master weights or their EMA.
+  enum class Weights { master, ema };
+  /// One parameter's values for visit_params: `numel` elements of `dtype`
+  /// (fp32 for trained parameters, the model dtype for frozen ones) in the
+  /// backend's memory (the GPU's on a device backend), valid only until the
+  /// visitor returns: a visitor that copies them on a stream of its own
+  /// waits for that copy before returning.
+  using ParamVisitor = std::function<void(std::size_t param, const void* values, DType dtype, std::size_t numel)>;
+  /// What gather_master_params / gather_ema_params return, handed to
+  /// `visit` once per parameter (engine order within each bucket, trained
+  /// buckets first) where the engine gathers them, without a host copy: for
+  /// readers that want the weights on the device (the trainer's validation
+  /// images). Collective: every rank calls it (a rank that wants nothing
+  /// passes a visitor that does nothing). Leaves the next step as the
+  /// gathers do. Throws for Weights::ema when EMA is off.
+  void visit_params(Weights which, const ParamVisitor& visit);
+
   // ------------------------------------------------------------ checkpoints
   /// Writes this rank's part of the training state to one safetensors file
   /// (atomically): master weights, optimizer moments and EMA of the slices it

@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -744,26 +745,32 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
                                                                                       : "INT"));
     if (is_bool) handles.back()->expected(0, 1);  // --flag alone is --flag true
   }
-  // [model] freeze on the command line: one pattern per --freeze, the
-  // whole list replacing the file's; --freeze "" freezes nothing.
-  std::vector<std::string> freeze_patterns;
-  CLI::Option* freeze_option =
-      app.add_option("--freeze", freeze_patterns,
-                     "glob pattern of parameters to freeze (diffusers names; repeat for several); replaces [model] "
-                     "freeze; --freeze \"\" freezes none [model] (default: [])")
-          ->type_name("PATTERN");
-  std::vector<std::string> lora_target_patterns;
-  CLI::Option* lora_targets_option =
-      app.add_option("--lora_target", lora_target_patterns,
-                     "glob pattern of Linear layers to adapt (repeat for several); replaces [lora] targets [lora] "
-                     "(default: " + pattern_list(defaults.lora_targets) + ")")
-          ->type_name("PATTERN");
-  std::vector<std::string> validation_prompt_texts;
-  CLI::Option* validation_prompts_option =
-      app.add_option("--validation_prompt", validation_prompt_texts,
-                     "a validation prompt (repeat for several); replaces [validation] prompts [validation] (default: "
-                     "[]: the dataset's cached validation prompts)")
-          ->type_name("TEXT");
+  // The lists on the command line: one value per flag, the flag repeated
+  // for several; the values given replace the file's list, and --flag ""
+  // alone empties it (--freeze "" freezes nothing).
+  struct ListFlag {
+    const char* flag;
+    const char* type_name;
+    std::string help;
+    std::vector<std::string> TrainConfig::*list;
+    std::vector<std::string> values;
+    CLI::Option* option = nullptr;
+  };
+  std::array<ListFlag, 3> list_flags{{
+      {"--freeze", "PATTERN",
+       "glob pattern of parameters to freeze (diffusers names; repeat for several); replaces [model] freeze; --freeze "
+       "\"\" freezes none [model] (default: [])",
+       &TrainConfig::freeze},
+      {"--lora_target", "PATTERN",
+       "glob pattern of Linear layers to adapt (repeat for several); replaces [lora] targets [lora] (default: " +
+           pattern_list(defaults.lora_targets) + ")",
+       &TrainConfig::lora_targets},
+      {"--validation_prompt", "TEXT",
+       "a validation prompt (repeat for several); replaces [validation] prompts [validation] (default: []: the "
+       "dataset's cached validation prompts)",
+       &TrainConfig::validation_prompts},
+  }};
+  for (ListFlag& f : list_flags) f.option = app.add_option(f.flag, f.values, f.help)->type_name(f.type_name);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -790,13 +797,13 @@ bool parse_train_config(int argc, char** argv, TrainConfig& config) {
       if (std::string(options[i].table) == "train" && std::string(options[i].key) == "steps") steps_given = true;
     }
   length_from_epochs(config, steps_given);
-  if (freeze_option->count() > 0) {
-    config.freeze.clear();
-    for (const std::string& p : freeze_patterns)
-      if (!p.empty()) config.freeze.push_back(p);
+  for (const ListFlag& f : list_flags) {
+    if (f.option->count() == 0) continue;
+    std::vector<std::string>& list = config.*f.list;
+    list.clear();
+    for (const std::string& value : f.values)
+      if (!value.empty()) list.push_back(value);
   }
-  if (lora_targets_option->count() > 0) config.lora_targets = lora_target_patterns;
-  if (validation_prompts_option->count() > 0) config.validation_prompts = validation_prompt_texts;
   config.validate();
   return true;
 }

@@ -59,20 +59,29 @@ TEST_CASE("stages 0..3 equal unsharded training and each other") {
 
 // Frozen parameters keep exactly the values they were given (rounded to the
 // model dtype), at every stage and with offload, and cost parameter bytes only.
-TEST_CASE("frozen parameters stay bitwise unchanged and hold no gradient, master, state or EMA") {
-  MpiCommunicator comm;
-  auto backend = make_host_backend();
+namespace {
+// bf16 with an EMA, and three of the MLP's parameters frozen (one unused).
+Config with_frozen_parameters() {
   Config c = configs().front();
   c.dtype = DType::bf16;
   c.ema_decay = 0.9;
   c.frozen = {W1, GAIN, UNUSED};
+  return c;
+}
+
+struct Placement {
+  int stage;
+  bool offload, offload_params;
+};
+}  // namespace
+
+TEST_CASE("frozen parameters stay bitwise unchanged and hold no gradient, master, state or EMA") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  const Config c = with_frozen_parameters();
   const auto init = initial_params();
-  struct Variant {
-    int stage;
-    bool offload, offload_params;
-  };
-  for (const Variant v : {Variant{0, false, false}, Variant{1, false, false}, Variant{2, false, false},
-                          Variant{3, false, false}, Variant{2, true, false}, Variant{3, true, true}}) {
+  for (const Placement v : {Placement{0, false, false}, Placement{1, false, false}, Placement{2, false, false},
+                            Placement{3, false, false}, Placement{2, true, false}, Placement{3, true, true}}) {
     CAPTURE(v.stage);
     CAPTURE(v.offload);
     CAPTURE(v.offload_params);
@@ -123,16 +132,9 @@ TEST_CASE("frozen parameters stay bitwise unchanged and hold no gradient, master
 TEST_CASE("visit_params hands out what gather_master_params and gather_ema_params return") {
   MpiCommunicator comm;
   auto backend = make_host_backend();
-  Config c = configs().front();
-  c.dtype = DType::bf16;
-  c.ema_decay = 0.9;
-  c.frozen = {W1, GAIN, UNUSED};
-  struct Variant {
-    int stage;
-    bool offload, offload_params;
-  };
-  for (const Variant v : {Variant{0, false, false}, Variant{2, false, false}, Variant{3, false, false},
-                          Variant{2, true, false}, Variant{3, true, true}}) {
+  const Config c = with_frozen_parameters();
+  for (const Placement v : {Placement{0, false, false}, Placement{2, false, false}, Placement{3, false, false},
+                            Placement{2, true, false}, Placement{3, true, true}}) {
     CAPTURE(v.stage);
     CAPTURE(v.offload_params);
     Config run = c;

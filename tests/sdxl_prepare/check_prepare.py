@@ -27,12 +27,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_pipeline  # noqa: E402
+from harness import check, finish, run  # noqa: E402
 
 PREPARE, MAKE_IMAGES, CHECK_VALUES, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:8]
 MPI_FLAGS = sys.argv[8:]
@@ -40,25 +39,6 @@ FIXTURES = os.path.join(SOURCE, "tests", "fixtures")
 BROKEN = {"truncated.jpg": "truncated JPEG", "truncated.png": "cannot decode PNG", "empty.png": "empty file",
           "cmyk.jpg": "CMYK", "deep.png": "16 bits", "huge.png": "too large", "anim.gif": "unsupported format",
           "garbage.png": "unsupported format", "truncated.webp": "WebP"}
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
-
-
-def run(cmd, env=None, expect_ok=True):
-    start = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    print(f"  [{time.time() - start:.1f} s, rc {result.returncode}] {' '.join(os.path.basename(c) for c in cmd[:1])} "
-          f"{' '.join(cmd[3 + len(MPI_FLAGS):][:12])} ...", flush=True)
-    if expect_ok and result.returncode != 0:
-        print(result.stdout[-6000:], result.stderr[-6000:])
-        raise SystemExit(f"command failed ({result.returncode})")
-    return result
 
 
 def prepare(ranks, output, *extra, env=None, expect_ok=True):
@@ -171,7 +151,4 @@ run([MPIEXEC, "-np", "2", *MPI_FLAGS, TRAIN, "--config", os.path.join(SOURCE, "e
 rows = [json.loads(line) for line in open(os.path.join(runs, "metrics.jsonl"))]
 check(len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows), f"the trainer trained 2 steps: {[r['loss'] for r in rows]}")
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all checks passed")
+finish()

@@ -13,38 +13,15 @@
 """
 import os
 import shutil
-import struct
-import subprocess
 import sys
-import time
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_pipeline  # noqa: E402
+from harness import check, finish, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
 SAMPLE, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
 MPI_FLAGS = sys.argv[6:]
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
-
-
-def run(cmd, expect_ok=True):
-    start = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    print(f"  [{time.time() - start:.1f} s, rc {result.returncode}] {os.path.basename(cmd[0])} {' '.join(cmd[1:14])}",
-          flush=True)
-    if expect_ok and result.returncode != 0:
-        print(result.stdout[-4000:], result.stderr[-4000:])
-        raise SystemExit(f"command failed ({result.returncode})")
-    return result
-
 
 shutil.rmtree(WORK, ignore_errors=True)
 os.makedirs(WORK)
@@ -106,7 +83,4 @@ for what, cmd, fragment in (
           f"{what} exits non-zero naming '{fragment}'")
 check(not os.path.exists(png("x.png")), "no image after a refusal")
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all checks passed")
+finish()

@@ -22,36 +22,16 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_pipeline  # noqa: E402
+from harness import check, finish, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
 TRAIN, SAMPLE, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
 MPI_FLAGS = sys.argv[6:]
-failures = []
 PROMPTS = ["a red fox in snow", "a blue house", "a green tree"]
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
-
-
-def run(cmd, expect_ok=True):
-    start = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    print(f"  [{time.time() - start:.1f} s, rc {result.returncode}] {os.path.basename(cmd[0])} "
-          f"{' '.join(os.path.basename(c) if os.sep in c else c for c in cmd[1:18])}", flush=True)
-    if expect_ok and result.returncode != 0:
-        print(result.stdout[-4000:], result.stderr[-4000:])
-        raise SystemExit(f"command failed ({result.returncode})")
-    return result
 
 
 def train(out, ranks, *extra, steps=4, expect_ok=True):
@@ -194,7 +174,4 @@ for what, extra, fragment in (
         print(text_out[-3000:])
     shutil.rmtree(out, ignore_errors=True)
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("all checks passed")
+finish()

@@ -1,0 +1,38 @@
+"""What the end-to-end scripts of tests/sdxl_prepare share (stdlib only):
+named checks that collect their failures, commands run with a timeout and a
+one-line log, and the exit status at the end."""
+import os
+import subprocess
+import sys
+import time
+
+failures = []
+
+
+def check(condition, message):
+    """Prints ok/FAIL with the message; a failure is remembered for finish()."""
+    print(("ok   " if condition else "FAIL ") + message, flush=True)
+    if not condition:
+        failures.append(message)
+    return condition
+
+
+def run(cmd, expect_ok=True, env=None, timeout=300):
+    """Runs cmd, logs its time, exit status and first arguments (file paths
+    by their last part); a failure stops the script unless expect_ok is False."""
+    start = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    shown = " ".join(os.path.basename(c) if os.sep in c else c for c in cmd[1:18])
+    print(f"  [{time.time() - start:.1f} s, rc {result.returncode}] {os.path.basename(cmd[0])} {shown}", flush=True)
+    if expect_ok and result.returncode != 0:
+        print(result.stdout[-6000:], result.stderr[-6000:])
+        raise SystemExit(f"command failed ({result.returncode})")
+    return result
+
+
+def finish():
+    """Exits 1 when a check failed, else says all passed."""
+    if failures:
+        print(f"{len(failures)} check(s) failed")
+        sys.exit(1)
+    print("all checks passed")

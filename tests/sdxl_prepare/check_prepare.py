@@ -30,8 +30,9 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import tiny_pipeline  # noqa: E402
-from harness import check, finish, run  # noqa: E402
+from e2e_harness import check, finish, run  # noqa: E402
 
 PREPARE, MAKE_IMAGES, CHECK_VALUES, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:8]
 MPI_FLAGS = sys.argv[8:]

@@ -25,8 +25,9 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import tiny_pipeline  # noqa: E402
-from harness import check, finish, run  # noqa: E402
+from e2e_harness import check, finish, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
 TRAIN, SAMPLE, MPIEXEC, SOURCE, WORK = sys.argv[1:6]

@@ -32,14 +32,8 @@ MPI_FLAGS = sys.argv[5:]
 STEPS = 4
 GLOBAL_BATCH = 8
 KEY = "data/captions_dropped"
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def command(name, ranks, overrides):

@@ -53,15 +53,9 @@ MPI_FLAGS = sys.argv[5:]
 TIMEOUT_S = 10          # ZERO_COMM_TIMEOUT_S for every run
 EXIT_LIMIT_S = TIMEOUT_S + 5  # failure seen -> mpirun gone; the timeout plus teardown
 STEPS = 6
-failures = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 skipped = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
 
 
 # ------------------------------------------------------------------ running the trainer

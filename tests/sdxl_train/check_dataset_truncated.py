@@ -27,14 +27,8 @@ MPI_FLAGS = sys.argv[5:]
 TIMEOUT_S = 10       # ZERO_COMM_TIMEOUT_S: a rank waiting on a failed one gives up after this
 EXIT_LIMIT_S = 20    # truncation -> mpirun gone (the loader runs two batches ahead; then the timeout)
 TRUNCATED_SIZE = 20000
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def load_writer():

@@ -49,14 +49,8 @@ GLOBAL_BATCH = 6
 BATCHES_PER_EPOCH = 3
 EPOCHS = 3
 STEPS = EPOCHS * BATCHES_PER_EPOCH
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def load_writer():

@@ -35,14 +35,8 @@ import time
 
 TRAIN, UNET_FORWARD, MPIEXEC, CONFIG, UNET_JSON, WEIGHTS, WORK = sys.argv[1:8]
 MPI_FLAGS = sys.argv[8:]
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def train(name, *overrides, ranks=2, env=None):

@@ -41,13 +41,8 @@ MPI_FLAGS = sys.argv[5:]
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "sdxl",
                        "tiny_a_weights.safetensors")
 STEPS = 3
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 # ---------------------------------------------------------------- safetensors

@@ -38,14 +38,8 @@ STEPS = 2
 GLOBAL_BATCH = 8
 KEYS = ["stage", "offload_optimizer", "offload_params", "offload_delayed_update", "activation_checkpointing",
         "batch_size", "accumulation"]
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def write_config():

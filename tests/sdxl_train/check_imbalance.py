@@ -28,14 +28,8 @@ STEPS = 4
 SLEEP_S = 1.0
 PHASES = ("fwd_bwd", "comm_wait", "optimizer")
 KEYS = [f"imbalance/{p}_{end}_s" for p in PHASES for end in ("min", "max")] + ["imbalance/slowest_rank"]
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def train(name, *overrides, env=None):

@@ -45,13 +45,8 @@ STEPS = 10
 RANK, ALPHA = 4, 8.0
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "sdxl",
                        "tiny_a_weights.safetensors")
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def run(name, *overrides, ranks=RANKS, fresh=True):

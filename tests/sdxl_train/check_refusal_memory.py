@@ -29,15 +29,9 @@ import sys
 import time
 
 TRAIN, CONFIG, WORK = sys.argv[1:4]
-failures = []
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 MiB = 1 << 20
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
 
 
 def run_refused(*overrides):

@@ -42,14 +42,8 @@ STOP_LIMIT_S = 15       # signal -> mpirun gone
 GRACE_S = 3             # b: mpirun's odls_base_sigkill_timeout
 EXIT_STOPPED = 75       # kExitStoppedBySignal (examples/sdxl/stop_signals.hpp)
 CASES = os.environ.get("ZERO_TEST_CASES", "abcd")
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
-    return condition
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 class Run:

@@ -51,13 +51,8 @@ import time
 TRAIN, UNET_FORWARD, MPIEXEC, CONFIG, WORK = sys.argv[1:6]
 MPI_FLAGS = sys.argv[6:]
 STEPS = 30
-failures = []
-
-
-def check(condition, message):
-    print(("ok   " if condition else "FAIL ") + message, flush=True)
-    if not condition:
-        failures.append(message)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from e2e_harness import check, failures  # noqa: E402
 
 
 def train(name, ranks, *overrides):

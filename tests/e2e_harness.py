@@ -1,6 +1,11 @@
-"""What the end-to-end scripts of tests/sdxl_prepare share (stdlib only):
-named checks that collect their failures, commands run with a timeout and a
-one-line log, and the exit status at the end."""
+"""What the end-to-end test scripts (tests/sdxl_train, tests/sdxl_prepare)
+share, stdlib only: named checks that collect their failures, commands run
+with a timeout and a one-line log, and the exit status at the end. A script
+imports it with tests/ on sys.path:
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    from e2e_harness import check, failures
+"""
 import os
 import subprocess
 import sys

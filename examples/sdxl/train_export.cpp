@@ -18,27 +18,35 @@ namespace sdxl {
 
 namespace fs = std::filesystem;
 
-UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
-                                  const std::vector<std::string>& names, torch::TensorOptions options,
-                                  const LoraOptions* lora) {
-  UNet2DConditionModel model(ucfg, UNetBuildOptions{.tensor_options = options, .initialize = false});
-  // The adapters' starting draw is overwritten below: a generator of its own
-  // keeps LibTorch's default one untouched.
-  if (lora != nullptr) model->add_lora(*lora, at::detail::createCPUGenerator(0));
+UNetInOrder unet_in_order(const UNetConfig& ucfg, const std::vector<std::string>& names, torch::TensorOptions options,
+                          const LoraOptions* lora) {
+  UNetInOrder out{UNet2DConditionModel(ucfg, UNetBuildOptions{.tensor_options = options, .initialize = false}), {}};
+  // The adapters' starting draw is overwritten by the caller: a generator of
+  // its own keeps LibTorch's default one untouched.
+  if (lora != nullptr) out.unet->add_lora(*lora, at::detail::createCPUGenerator(0));
   std::map<std::string, torch::Tensor> by_name;
-  for (auto& item : model->named_parameters()) by_name[item.key()] = item.value();
-  ZERO_CHECK(by_name.size() == names.size(), "unet_holding: the UNet has ", by_name.size(), " parameters, the weights ",
+  for (auto& item : out.unet->named_parameters()) by_name[item.key()] = item.value();
+  ZERO_CHECK(by_name.size() == names.size(), "the UNet has ", by_name.size(), " parameters, the weights ",
              names.size());
+  for (const std::string& name : names) {
+    const auto it = by_name.find(name);
+    ZERO_CHECK(it != by_name.end(), "the UNet has no parameter '", name, "'");
+    out.parameters.push_back(it->second);
+  }
+  return out;
+}
+
+UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
+                                  const std::vector<std::string>& names) {
+  UNetInOrder model = unet_in_order(ucfg, names);
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < names.size(); ++i) {
-    const auto it = by_name.find(names[i]);
-    ZERO_CHECK(it != by_name.end(), "unet_holding: the UNet has no parameter '", names[i], "'");
-    torch::Tensor& p = it->second;
-    ZERO_CHECK(static_cast<std::int64_t>(weights[i].size()) == p.numel(), "unet_holding: '", names[i], "' has ",
-               p.numel(), " elements, its weights ", weights[i].size());
+    torch::Tensor& p = model.parameters[i];
+    ZERO_CHECK(static_cast<std::int64_t>(weights[i].size()) == p.numel(), "'", names[i], "' has ", p.numel(),
+               " elements, its weights ", weights[i].size());
     p.copy_(torch::from_blob(const_cast<float*>(weights[i].data()), p.sizes(), torch::kFloat32));
   }
-  return model;
+  return model.unet;
 }
 
 UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg) {

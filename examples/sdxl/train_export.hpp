@@ -22,14 +22,21 @@ namespace sdxl {
 /// the exact values of frozen parameters (exact_frozen_values).
 UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg);
 
-/// A UNet of `ucfg` in `options`' dtype and device holding `weights` (fp32,
-/// in the order of `names`, as Engine::gather_* return them), with LoRA
-/// adapters added first when `lora` is given (their names are in `names`).
-/// zero::Error when a name or size does not match the UNet.
+/// An uninitialised UNet of `ucfg` in `options`' dtype and device (with
+/// LoRA adapters when `lora` is given), and its parameters in the order of
+/// `names` (the engine's, as Engine::gather_* and visit_params hand them
+/// out), to be filled by the caller. zero::Error when the names do not match.
+struct UNetInOrder {
+  UNet2DConditionModel unet;
+  std::vector<torch::Tensor> parameters;
+};
+UNetInOrder unet_in_order(const UNetConfig& ucfg, const std::vector<std::string>& names,
+                          torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
+                          const LoraOptions* lora = nullptr);
+
+/// A fp32 UNet of `ucfg` holding `weights` (in the order of `names`).
 UNet2DConditionModel unet_holding(const UNetConfig& ucfg, const std::vector<std::vector<float>>& weights,
-                                  const std::vector<std::string>& names,
-                                  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32),
-                                  const LoraOptions* lora = nullptr);
+                                  const std::vector<std::string>& names);
 
 /// Frozen parameters keep their starting values, but the engine holds only
 /// their rounding to the model dtype (bf16, fp16), which is what

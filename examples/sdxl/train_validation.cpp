@@ -20,8 +20,8 @@
 #include "pipeline_source.hpp"
 #include "png_output.hpp"
 #include "sampling.hpp"
+#include "train_export.hpp"
 #include "train_lora.hpp"
-#include "unet.hpp"
 #include "zero/torch/sharded_model.hpp"
 #endif
 
@@ -193,24 +193,11 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
   double phases[3] = {0, 0, 0};
   // The UNet is built first and the weights copied into it straight from the
   // engine's gathered buckets (on the GPU: no trip through host memory).
-  std::optional<UNet2DConditionModel> unet;
-  std::vector<torch::Tensor> parameter_of;  // engine order
+  std::optional<UNetInOrder> unet;
   const auto options = torch::TensorOptions().dtype(s.model.dtype).device(s.model.device);
   if (!s.mine.empty()) {
     const LoraOptions lora = lora_options(c);
-    unet.emplace(s.model.config, UNetBuildOptions{.tensor_options = options, .initialize = false});
-    // The adapters' starting draw is overwritten below: a generator of its
-    // own keeps LibTorch's default one untouched.
-    if (lora_enabled(c)) (*unet)->add_lora(lora, at::detail::createCPUGenerator(0));
-    std::map<std::string, torch::Tensor> by_name;
-    for (auto& item : (*unet)->named_parameters()) by_name[item.key()] = item.value();
-    ZERO_CHECK(by_name.size() == s.model.parameter_names.size(), "validation: the UNet has ", by_name.size(),
-               " parameters, the engine ", s.model.parameter_names.size());
-    for (const std::string& name : s.model.parameter_names) {
-      const auto it = by_name.find(name);
-      ZERO_CHECK(it != by_name.end(), "validation: the UNet has no parameter '", name, "'");
-      parameter_of.push_back(it->second);
-    }
+    unet.emplace(unet_in_order(s.model.config, s.model.parameter_names, options, lora_enabled(c) ? &lora : nullptr));
   }
   const bool on_gpu = s.model.device.is_cuda();
   torch::NoGradGuard no_grad;
@@ -218,7 +205,7 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
   engine.visit_params(c.ema_decay > 0 ? zero::Engine::Weights::ema : zero::Engine::Weights::master,
                       [&](std::size_t p, const void* values, zero::DType dtype, std::size_t numel) {
                         if (!unet) return;
-                        torch::Tensor& target = parameter_of[p];
+                        torch::Tensor& target = unet->parameters[p];
                         ZERO_CHECK(static_cast<std::int64_t>(numel) == target.numel(), "validation: parameter '",
                                    s.model.parameter_names[p], "' has ", target.numel(), " elements, the engine ",
                                    numel);
@@ -232,7 +219,7 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
   phases[0] = since(start);
   if (unet) {
     const auto build_start = std::chrono::steady_clock::now();
-    (*unet)->eval();
+    unet->unet->eval();
     AutoencoderKL vae = load_source_vae(s.source, options);
     SamplingOptions sampling;
     sampling.scheduler = s.scheduler;
@@ -248,7 +235,7 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       const TextConditioning text{.prompt_embeds = d.embeds, .pooled_prompt_embeds = d.pooled,
                                   .negative_prompt_embeds = s.negative_embeds,
                                   .negative_pooled_prompt_embeds = s.negative_pooled};
-      const SamplingResult result = sample_latents(**unet, text, sampling);
+      const SamplingResult result = sample_latents(*unet->unet, text, sampling);
       const torch::Tensor image = vae->decode(result.latents / s.scaling_factor);
       write_png(folder / file_name(d.index, d.text), to_uint8_hwc(image[0]));
     }

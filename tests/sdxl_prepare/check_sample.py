@@ -12,7 +12,6 @@
   check_sample.py SAMPLE TRAIN MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
 """
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,12 +23,7 @@ from png_reader import read_png  # noqa: E402
 SAMPLE, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
 MPI_FLAGS = sys.argv[6:]
 
-shutil.rmtree(WORK, ignore_errors=True)
-os.makedirs(WORK)
-PIPELINE = os.path.join(WORK, "pipeline")
-tiny_pipeline.make_pipeline(PIPELINE, os.path.join(SOURCE, "tests", "fixtures"))
-unet_config = os.path.join(WORK, "unet.json")
-tiny_pipeline.write_tiny_unet_config(unet_config)
+PIPELINE, unet_config = tiny_pipeline.fresh_workdir(WORK, SOURCE)
 runs = os.path.join(WORK, "train")
 run([MPIEXEC, "-np", "1", *MPI_FLAGS, TRAIN, "--config", os.path.join(SOURCE, "examples", "sdxl", "configs", "tiny.toml"),
      "--model_config", unet_config, "--output_dir", runs, "--steps", "1", "--warmup_steps", "0",

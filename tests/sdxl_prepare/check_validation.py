@@ -65,12 +65,7 @@ def exports_equal(a, b):
     return all(read(os.path.join(a, name.format(u))) == read(os.path.join(b, name.format(u))) for u in ("unet", "unet_ema"))
 
 
-shutil.rmtree(WORK, ignore_errors=True)
-os.makedirs(WORK)
-PIPELINE = os.path.join(WORK, "pipeline")
-tiny_pipeline.make_pipeline(PIPELINE, os.path.join(SOURCE, "tests", "fixtures"))
-UNET_CONFIG = os.path.join(WORK, "unet.json")
-tiny_pipeline.write_tiny_unet_config(UNET_CONFIG)
+PIPELINE, UNET_CONFIG = tiny_pipeline.fresh_workdir(WORK, SOURCE)
 
 # 1. Images every 2 steps and at the end, sharded over 2 ranks.
 a = os.path.join(WORK, "a")

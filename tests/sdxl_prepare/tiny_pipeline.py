@@ -47,3 +47,15 @@ def write_tiny_unet_config(path):
                "attention_head_dim": [2, 4], "use_linear_projection": True, "addition_embed_type": "text_time",
                "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 88,
                "transformer_layers_per_block": [1, 1], "norm_num_groups": 32}, open(path, "w"))
+
+
+def fresh_workdir(work, source):
+    """An empty WORK holding the tiny pipeline (WORK/pipeline) and the tiny
+    UNet config of its text widths (WORK/unet.json); returns both paths."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    pipeline = os.path.join(work, "pipeline")
+    make_pipeline(pipeline, os.path.join(source, "tests", "fixtures"))
+    unet_config = os.path.join(work, "unet.json")
+    write_tiny_unet_config(unet_config)
+    return pipeline, unet_config

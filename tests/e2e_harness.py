@@ -6,7 +6,9 @@ imports it with tests/ on sys.path:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
     from e2e_harness import check, failures
 """
+import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -33,6 +35,22 @@ def run(cmd, expect_ok=True, env=None, timeout=300):
         print(result.stdout[-6000:], result.stderr[-6000:])
         raise SystemExit(f"command failed ({result.returncode})")
     return result
+
+
+def read_safetensors(path):
+    """name -> (dtype, shape, values: a tuple of floats for F32, else the raw bytes), and the metadata."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        body = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        raw = body[info["data_offsets"][0]:info["data_offsets"][1]]
+        values = struct.unpack(f"<{len(raw) // 4}f", raw) if info["dtype"] == "F32" else raw
+        out[name] = (info["dtype"], info["shape"], values)
+    return out, header.get("__metadata__", {})
 
 
 def finish():

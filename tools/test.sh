@@ -6,19 +6,26 @@
 # without a GPU; GPU tests are labelled `gpu` and run on the GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's start, minutes into the run: where CI's time goes.
+phase() { echo "== [$(( SECONDS / 60 )) min $(( SECONDS % 60 )) s] $*"; }
+phase "install"
 bash tools/install-deps.sh
 export OMPI_MCA_rmaps_base_oversubscribe=1
 jobs=$(nproc)
 
+phase "build cpu-torch"
 cmake --preset cpu-torch
 cmake --build --preset cpu-torch -j "$jobs"
+phase "test cpu-torch"
 ctest --preset cpu-torch -j 1 --timeout 1200
 
 echo "== The CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer =="
 # Leak checking is off: Open MPI's own allocations at exit are reported as leaks.
 # The fault test (kill -9 / hang) is left out: it is about signals, not memory.
+phase "build sanitize"
 cmake --preset sanitize
 cmake --build --preset sanitize -j "$jobs"
+phase "test sanitize"
 ctest --preset sanitize -j 1 --timeout 1200
 
 if [ -x /usr/local/cuda/bin/nvcc ]; then
@@ -26,6 +33,8 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then
   # Exactly as the README names it. Here LibTorch is Debian's CPU-only one:
   # ZERO_WITH_TORCH=AUTO leaves the torch parts out of the CUDA build (with a
   # CMake warning saying so); on a GPU machine with a CUDA LibTorch they build.
+  phase "build cuda"
   cmake --preset cuda
   cmake --build --preset cuda -j "$jobs"
 fi
+phase "done"

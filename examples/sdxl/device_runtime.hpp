@@ -65,11 +65,13 @@ class DeviceRuntime {
   std::unique_ptr<zero::Backend> backend_;
 };
 
-/// Forward and backward of one micro-step captured once in a CUDA graph and
-/// replayed: one launch instead of thousands (batch 1 is bound by launch
-/// overhead). The inputs are copied into tensors the graph reads; the
-/// gradients land in the engine's buffer (bind_gradients_to_engine), whose
-/// reductions and the optimizer stay outside the graph.
+/// One micro-step captured once in a CUDA graph and replayed: one launch
+/// instead of thousands (batch 1 is bound by launch overhead). The inputs are
+/// copied into tensors the graph reads. The whole micro-step is captured
+/// (Engine::begin_graph_capture): forward, backward, the reductions on the
+/// comm stream, the stage-3 gathers, and, where the engine has no full
+/// gradient buffer to bind autograd's gradients to (several ranks at stages
+/// 2-3), the hooks' writes into bucket buffers. The optimizer step stays outside.
 class GraphedMicroStep {
  public:
   using Body = std::function<torch::Tensor(const torch::autograd::variable_list&)>;
@@ -79,8 +81,10 @@ class GraphedMicroStep {
   GraphedMicroStep(const GraphedMicroStep&) = delete;
   GraphedMicroStep& operator=(const GraphedMicroStep&) = delete;
 
-  /// Returns the loss (a tensor the graph writes). `body` runs once, under
-  /// capture; every later call replays it on the new inputs (same shapes).
+  /// Returns the loss (a tensor the graph writes). `body` (forward and
+  /// backward) runs once, under capture; every later call replays it on the
+  /// new inputs (same shapes). The micro-step is finished on return
+  /// (ShardedModel::finish_micro_step or its replay).
   torch::Tensor run(const torch::autograd::variable_list& inputs, const Body& body);
 
  private:

@@ -82,8 +82,13 @@ GraphedMicroStep::GraphedMicroStep(zero::adapter::ShardedModel& sharded) : shard
 GraphedMicroStep::~GraphedMicroStep() = default;
 
 torch::Tensor GraphedMicroStep::run(const torch::autograd::variable_list& inputs, const Body& body) {
-  sharded_.wait_for_parameters();  // stage 1: the gathers step() left in flight
-  if (!captured_) {
+  // The whole micro-step is captured: with gradients bound to the engine's
+  // full buffer, forward, backward and the (in-place) reductions; otherwise
+  // also the hooks' gradient writes into bucket buffers; at stage 3 the gathers.
+  zero::Engine& engine = sharded_.engine();
+  engine.prepare_graph_replay();  // stages 1-2: the gathers step() left in flight
+  const bool capturing = !captured_;
+  if (capturing) {
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
     ZERO_CHECK(stream != c10::cuda::getDefaultCUDAStream(stream.device_index()),
                "cuda_graph: the current stream is the default stream, which cannot be captured");
@@ -94,9 +99,13 @@ torch::Tensor GraphedMicroStep::run(const torch::autograd::variable_list& inputs
     c10::cuda::CUDACachingAllocator::emptyCache();
     captured_ = std::make_unique<Captured>();
     captured_->static_inputs = std::move(static_inputs);
-    captured_->graph.capture_begin();
+    // Relaxed: the engine's pool may allocate a block the capture needs.
+    captured_->graph.capture_begin({0, 0}, cudaStreamCaptureModeRelaxed);
     try {
+      engine.begin_graph_capture();
       captured_->loss = body(captured_->static_inputs);
+      sharded_.finish_micro_step();
+      engine.end_graph_capture();
     } catch (const std::exception& e) {
       // End the broken capture so that this error is what surfaces, not
       // every later CUDA call failing.
@@ -104,7 +113,7 @@ torch::Tensor GraphedMicroStep::run(const torch::autograd::variable_list& inputs
       (void)cudaStreamEndCapture(stream.stream(), &broken);
       if (broken) (void)cudaGraphDestroy(broken);
       (void)cudaGetLastError();
-      ZERO_THROW(zero::Error, "[device] cuda_graph: capturing forward and backward failed: ", e.what());
+      ZERO_THROW(zero::Error, "[device] cuda_graph: capturing the micro-step failed: ", e.what());
     }
     captured_->graph.capture_end();
   } else {
@@ -121,6 +130,7 @@ torch::Tensor GraphedMicroStep::run(const torch::autograd::variable_list& inputs
     }
   }
   captured_->graph.replay();
+  if (!capturing) engine.graph_replayed();  // the capture's own bookkeeping ran in it
   return captured_->loss;
 }
 

@@ -320,7 +320,10 @@ void prepare_gradients(const TrainConfig& cfg, ModelOnEngine& m, GradientFaults&
                 static_cast<long long>(faults.slow_rank->delay.count()));
   ZERO_CHECK(!(faults.nan_grad && cfg.cuda_graph), "ZERO_FAULT_NAN_GRAD_STEPS does not work with [device] cuda_graph "
              "(its hook runs on the host, which a replayed graph skips)");
-  if (cfg.cuda_graph) m.sharded->bind_gradients_to_engine();
+  // With a full gradient buffer (stages 0-1, any stage on one rank) autograd
+  // writes into it and the graph holds forward and backward; otherwise the
+  // graph captures the reductions too.
+  if (cfg.cuda_graph && m.sharded->engine().plan().full_grads) m.sharded->bind_gradients_to_engine();
   if (!faults.nan_grad) return;
   const NanGradFault& fault = *faults.nan_grad;
   if (host_comm.rank() == 0)
@@ -545,13 +548,13 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
       torch::Tensor l = diffusion_loss(out, in[5], in[6]);
       (l * sharded.engine().loss_scale()).backward();
       return l;
-    });
+    });  // finishes the micro-step
   } else {
     torch::Tensor out = model->forward(noisy, timesteps_in, prompt, pooled, time_ids);
     loss = diffusion_loss(out, target, weights);
     (loss * sharded.engine().loss_scale()).backward();
+    sharded.finish_micro_step();
   }
-  sharded.finish_micro_step();
   return loss.item<double>();  // waits for the device: the step's timings are device-inclusive
 }
 

@@ -327,8 +327,9 @@ std::vector<Option> options_of(TrainConfig& c) {
        "run the UNet's convolutions, GroupNorms and SiLUs in channels-last (NHWC) memory order: no NCHW<->NHWC "
        "transposes in cuDNN, fused NHWC GroupNorm+SiLU on CUDA"},
       {"device", "cuda_graph", &c.cuda_graph,
-       "capture forward and backward in a CUDA graph after the first step and replay it (no launch overhead); "
-       "needs stage 0 or 1, accumulation 1, no offload, no activation checkpointing, bf16 or fp32"},
+       "capture the micro-step in a CUDA graph after the first step and replay it (no launch overhead): forward and "
+       "backward at stages 0-1, the reductions and stage-3 gathers too at stages 2-3; needs accumulation 1, no "
+       "offload, no activation checkpointing, bf16 or fp32"},
       {"device", "profile_step", &c.profile_step,
        "write a Kineto trace of this step (rank 0, CUDA) to output_dir/profile-step-N.json (0: off)"},
   };
@@ -621,8 +622,6 @@ void TrainConfig::validate() const {
   one_of(attention, {"default", "flash", "efficient", "cudnn", "math"}, "attention");
   if (cuda_graph) {
     ZERO_CHECK(device == "cuda", "cuda_graph applies to device = \"cuda\" only");
-    ZERO_CHECK(stage <= 1, "cuda_graph needs stage 0 or 1 (autograd writes into the engine's full gradient buffer), "
-               "got stage ", stage);
     ZERO_CHECK(accumulation == 1, "cuda_graph needs accumulation = 1, got ", accumulation);
     ZERO_CHECK(!offload_optimizer, "cuda_graph does not work with offload_optimizer (gradients go to the host)");
     ZERO_CHECK(!activation_checkpointing, "cuda_graph does not work with activation_checkpointing yet");

@@ -49,6 +49,9 @@ struct NcclCommunicator::State {
   std::size_t scratch_bytes = 0;
   std::size_t peak_scratch_bytes = 0;
   cudaEvent_t scratch_free = nullptr;  // recorded after the last use of scratch
+  // The CUDA graph capture scratch_free was last recorded in (0: none). An
+  // event recorded in one capture can be waited for only in that capture.
+  unsigned long long scratch_free_capture = 0;
   cudaStream_t internal = nullptr;     // barrier() and host reductions without MPI
 
   /// Aborts once; later collectives throw. Safe from several Work objects.
@@ -169,6 +172,9 @@ class NcclWork final : public Work {
     done_ = true;  // a throwing wait is not retried: the communicator is aborted
     wait_for_event(*state_, event_);
   }
+
+  // Inside a capture the event is a capture node: never queried.
+  void detach() override { done_ = true; }
 
   bool test() override {
     if (done_) return true;
@@ -389,9 +395,23 @@ bool NcclCommunicator::widen(DType dtype, ReduceOp op) const {
          (op == ReduceOp::sum || op == ReduceOp::avg);
 }
 
+namespace {
+/// The id of the capture `stream` is in, 0 when it is not capturing.
+unsigned long long capture_id(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  ZERO_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+}  // namespace
+
 float* NcclCommunicator::fp32_scratch(std::size_t elements, Stream stream) {
   State& s = *state_;
   const std::size_t bytes = elements * sizeof(float);
+  const unsigned long long capture = capture_id(static_cast<cudaStream_t>(stream));
+  ZERO_CHECK(capture == 0 || bytes <= s.scratch_bytes, "NCCL fp32 scratch of ", bytes,
+             " bytes needed inside a CUDA graph capture (it holds ", s.scratch_bytes,
+             "): run the captured work once eagerly first, so that the scratch has its size");
   if (bytes > s.scratch_bytes) {
     // cudaFree waits for the device, so the old buffer's users are done.
     if (s.scratch != nullptr) ZERO_CHECK_CUDA(cudaFree(s.scratch));
@@ -402,12 +422,17 @@ float* NcclCommunicator::fp32_scratch(std::size_t elements, Stream stream) {
     s.peak_scratch_bytes = std::max(s.peak_scratch_bytes, bytes);
   }
   // Scratch is shared by collectives on any stream: wait for its last user.
-  ZERO_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), s.scratch_free, 0));
+  // Across a capture's boundary the caller orders the graph's replays with
+  // the work around them (Engine::prepare_graph_replay), and the event of
+  // the other side cannot be waited for.
+  if (s.scratch_free_capture == capture)
+    ZERO_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), s.scratch_free, 0));
   return static_cast<float*>(s.scratch);
 }
 
 void NcclCommunicator::release_scratch(Stream stream) {
   ZERO_CHECK_CUDA(cudaEventRecord(state_->scratch_free, static_cast<cudaStream_t>(stream)));
+  state_->scratch_free_capture = capture_id(static_cast<cudaStream_t>(stream));
 }
 
 WorkPtr NcclCommunicator::reduce_scatter(const void* send, void* recv, std::size_t count,

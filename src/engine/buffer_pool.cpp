@@ -2,11 +2,17 @@
 
 #include <algorithm>
 
+#include "zero/core/error.hpp"
+
 namespace zero::detail {
 
 BufferPool::~BufferPool() {
   for (auto& [bytes, blocks] : free_blocks_)
-    for (void* p : blocks) backend_.deallocate(p, bytes);
+    for (FreeBlock& b : blocks) {
+      backend_.release_event(b.last_use);
+      backend_.deallocate(b.p, bytes);
+    }
+  for (auto& [p, bytes] : graph_blocks_) backend_.deallocate(p, bytes);
 }
 
 void BufferPool::count(Category c, std::ptrdiff_t delta) {
@@ -51,22 +57,28 @@ std::byte* BufferPool::acquire(Category c, std::size_t bytes, Stream stream) {
   std::byte* p;
   std::ptrdiff_t reused = 0;
   if (!blocks.empty()) {
-    p = static_cast<std::byte*>(blocks.back());
+    const FreeBlock block = blocks.back();
     blocks.pop_back();
+    p = static_cast<std::byte*>(block.p);
+    if (block.last_use) {
+      backend_.stream_wait(stream, block.last_use);
+      backend_.release_event(block.last_use);
+    }
     reused = static_cast<std::ptrdiff_t>(bytes);
     count(kBuffers, -reused);
   } else {
     p = static_cast<std::byte*>(backend_.allocate(bytes));
   }
+  if (capturing_) captured_[p] = bytes;
   backend_.fill_zero(p, bytes, stream);
   count(c, static_cast<std::ptrdiff_t>(bytes));
   count_transient(c, static_cast<std::ptrdiff_t>(bytes), -reused);
   return p;
 }
 
-void BufferPool::give_back(Category c, void* p, std::size_t bytes) {
+void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_use) {
   count(c, -static_cast<std::ptrdiff_t>(bytes));
-  if (cached_ + bytes > cache_limit_) {
+  if (cached_ + bytes > cache_limit_ && !capturing_) {
     count_transient(c, -static_cast<std::ptrdiff_t>(bytes), 0);
     // The device path orders frees after the work queued on these streams.
     backend_.synchronize(backend_.comm_stream());
@@ -75,8 +87,42 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes) {
     return;
   }
   count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
-  free_blocks_[bytes].push_back(p);
+  free_blocks_[bytes].push_back({p, backend_.record_event(last_use)});
   count_transient(c, -static_cast<std::ptrdiff_t>(bytes), static_cast<std::ptrdiff_t>(bytes));
+}
+
+void BufferPool::begin_capture() {
+  capturing_ = true;
+  captured_.clear();
+  // A capture cannot wait for work outside it. The caller has ordered that
+  // work before the capture's start (Engine::prepare_graph_replay joins the
+  // comm stream into the compute stream), so the last uses are behind us.
+  for (auto& [bytes, blocks] : free_blocks_)
+    for (FreeBlock& b : blocks) {
+      backend_.release_event(b.last_use);
+      b.last_use = nullptr;
+    }
+}
+
+void BufferPool::end_capture() {
+  capturing_ = false;
+  // Every block the capture used is free again (the micro-step gave them
+  // back): take them out of the cache for good. Their events were recorded
+  // in the capture, so they mean nothing outside it.
+  for (auto& [bytes, blocks] : free_blocks_) {
+    std::erase_if(blocks, [&, size = bytes](FreeBlock& b) {
+      if (!captured_.contains(b.p)) return false;
+      backend_.release_event(b.last_use);
+      graph_blocks_.emplace_back(b.p, size);
+      graph_bytes_ += size;
+      cached_ -= size;  // still held (counted as buffers), no longer a cache to draw from
+      captured_.erase(b.p);
+      return true;
+    });
+  }
+  ZERO_CHECK(captured_.empty(), captured_.size(), " transient block(s) acquired during the CUDA graph capture are "
+             "still in use at its end (a stage-3 unit not released, or a reduction not completed): the graph's "
+             "replays would write them");
 }
 
 }  // namespace zero::detail

@@ -44,16 +44,26 @@ class BufferPool {
   void free(void* p, std::size_t bytes);
   void free_host(void* p, std::size_t bytes);
 
-  /// A transient block, zeroed on `stream`; a free block of the same size is reused.
+  /// A transient block, zeroed on `stream`; a free block of the same size is
+  /// reused, `stream` first waiting for its last use.
   std::byte* acquire(Category c, std::size_t bytes, Stream stream);
-  /// Returns a transient block: kept for reuse (counted as buffers) while the
-  /// cache is under its limit, freed otherwise.
-  void give_back(Category c, void* p, std::size_t bytes);
+  /// Returns a transient block whose last use was queued on `last_use`: kept
+  /// for reuse (counted as buffers) while the cache is under its limit,
+  /// freed otherwise. The next acquire waits on the device for that last
+  /// use, not the host: a stream-ordered pool, which a CUDA graph capture needs.
+  void give_back(Category c, void* p, std::size_t bytes, Stream last_use);
+
+  /// A CUDA graph capture: until end_capture() nothing is freed (that would
+  /// wait on the host) and the blocks the capture uses are noted; then those
+  /// are kept for the graph's replays, out of reach of later acquires.
+  void begin_capture();
+  void end_capture();
+  bool capturing() const { return capturing_; }
 
   std::size_t current(Category c) const { return current_[c]; }
   std::size_t peak(Category c) const { return peak_[c]; }
   std::size_t host_current(Category c) const { return host_current_[c]; }
-  TransientUse transient_now() const { return {transient_units_, transient_buffers_, cached_}; }
+  TransientUse transient_now() const { return {transient_units_, transient_buffers_, cached_ + graph_bytes_}; }
   TransientUse transient_peak() const { return transient_peak_; }
 
  private:
@@ -65,7 +75,15 @@ class BufferPool {
   Backend& backend_;
   std::size_t cache_limit_ = 0;
   std::array<std::size_t, kCategories> current_{}, peak_{}, host_current_{}, host_peak_{};
-  std::map<std::size_t, std::vector<void*>> free_blocks_;  // reusable transient blocks by size
+  struct FreeBlock {
+    void* p = nullptr;
+    Event last_use = nullptr;  // recorded after the block's last use; null once waited for
+  };
+  std::map<std::size_t, std::vector<FreeBlock>> free_blocks_;  // reusable transient blocks by size
+  bool capturing_ = false;
+  std::map<void*, std::size_t> captured_;     // blocks acquired during the capture
+  std::vector<std::pair<void*, std::size_t>> graph_blocks_;  // kept for a captured graph
+  std::size_t graph_bytes_ = 0;
   std::size_t cached_ = 0;
   std::size_t transient_units_ = 0, transient_buffers_ = 0;
   TransientUse transient_peak_;

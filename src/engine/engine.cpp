@@ -181,6 +181,9 @@ std::vector<WorkPtr> Engine::Impl::gather_buckets_of(const FlatLayout& of, void*
 }
 
 void Engine::Impl::wait_for_collective(Work& work) {
+  // In a CUDA graph capture every caller orders what follows on the device
+  // (the comm stream, or order_after): the host must not wait.
+  if (capturing) return work.detach();
   const auto start = std::chrono::steady_clock::now();
   work.wait();
   comm_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -409,14 +412,18 @@ const void* Engine::param_data(std::size_t param) const {
   }
   ZERO_CHECK(m.unit_refs[slot.bucket] > 0, "param_data('", params_[param].name, "'): its unit ", slot.bucket,
              " is not gathered (stage 3: call gather_unit first)");
-  const std::byte* unit = is_frozen ? m.frozen_unit_buffer[slot.bucket] : m.unit_buffer[slot.bucket];
+  const std::byte* unit;
+  if (m.plan.units_in_place)
+    unit = (is_frozen ? m.frozen_shard : m.param_shard) + where.buckets()[slot.bucket].shard_offset * m.p_size;
+  else
+    unit = is_frozen ? m.frozen_unit_buffer[slot.bucket] : m.unit_buffer[slot.bucket];
   return unit + (slot.offset - where.buckets()[slot.bucket].offset) * m.p_size;
 }
 
 void Engine::prefetch_unit(std::size_t unit) {
   ZERO_CHECK(unit < unit_count(), "prefetch_unit: unit ", unit, " of ", unit_count());
   Impl& m = *impl_;
-  if (!m.plan.gathers_units || m.unit_buffer[unit]) return;
+  if (!m.plan.gathers_units || m.plan.units_in_place || m.unit_buffer[unit]) return;
   const Bucket& bucket = layout_.buckets()[unit];
   m.unit_buffer[unit] = m.pool.acquire(kParams, bucket.padded * m.p_size, m.backend.comm_stream());
   // The shard may have just been written by the optimizer on the compute stream.
@@ -457,11 +464,12 @@ void Engine::release_unit(std::size_t unit) {
   Impl& m = *impl_;
   if (!m.plan.gathers_units) return;
   ZERO_CHECK(m.unit_refs[unit] > 0, "release_unit: unit ", unit, " is not gathered");
-  if (--m.unit_refs[unit] > 0) return;
-  m.pool.give_back(kParams, m.unit_buffer[unit], layout_.buckets()[unit].padded * m.p_size);
+  if (--m.unit_refs[unit] > 0 || m.plan.units_in_place) return;
+  m.pool.give_back(kParams, m.unit_buffer[unit], layout_.buckets()[unit].padded * m.p_size, m.backend.compute_stream());
   m.unit_buffer[unit] = nullptr;
   if (m.has_frozen() && m.frozen_unit_buffer[unit]) {
-    m.pool.give_back(kParams, m.frozen_unit_buffer[unit], frozen_layout_.buckets()[unit].padded * m.p_size);
+    m.pool.give_back(kParams, m.frozen_unit_buffer[unit], frozen_layout_.buckets()[unit].padded * m.p_size,
+                     m.backend.compute_stream());
     m.frozen_unit_buffer[unit] = nullptr;
   }
 }

@@ -35,8 +35,15 @@ struct Engine::Impl {
   Communicator* replica_comm;    // hybrid sharding: the ranks holding the same shard; else null
   /// Host seconds blocked in wait_for_collective (Engine::comm_wait_seconds).
   double comm_wait_seconds = 0;
-  /// work.wait(), its host time added to comm_wait_seconds.
+  /// work.wait(), its host time added to comm_wait_seconds; while a CUDA
+  /// graph is captured, work.detach() (the caller orders on the device).
   void wait_for_collective(Work& work);
+  // ---------------------------------------------------------------- CUDA graphs (graph_capture.cpp)
+  bool capturing = false;
+  bool captured = false;
+  bool prepared_for_capture = false;  // prepare_graph_replay() ran, nothing since
+
+  std::vector<char> captured_accumulator;  // accumulator_has_data as the captured micro-step left it
   Backend& backend;
   const FlatLayout& layout;         // trainable parameters
   const FlatLayout& frozen_layout;  // frozen ones (no bucket when none)

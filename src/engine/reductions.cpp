@@ -76,10 +76,10 @@ void Engine::Impl::complete(Pending& entry) {
   if (entry.scratch) {
     backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt, bucket.shard_size,
                        backend.comm_stream());
-    pool.give_back(kBuffers, entry.scratch, entry.scratch_bytes);
+    pool.give_back(kBuffers, entry.scratch, entry.scratch_bytes, backend.comm_stream());
   }
   if (!plan.full_grads && bucket_buffer[entry.bucket]) {
-    pool.give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size);
+    pool.give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size, backend.comm_stream());
     bucket_buffer[entry.bucket] = nullptr;
   }
 }
@@ -89,7 +89,7 @@ void Engine::Impl::retire_download() {
   downloads.pop_front();
   backend.wait_event(d.copied);
   backend.release_event(d.copied);
-  if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes);
+  if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
 }
 
 void Engine::Impl::complete_all() {

@@ -77,6 +77,8 @@ StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
   p.gathers_units = o.stage == 3;
   p.gathers_params_after_step = o.stage == 1 || o.stage == 2;
   p.params_on_host = o.offload.params;
+  p.units_in_place =
+      p.gathers_units && world_size == 1 && !o.offload.optimizer && !o.buckets.bucket_buffers_on_one_rank;
 
   // Stages 0-1 reduce in place into the full buffer unless several
   // micro-steps are each reduced (then a sharded accumulator holds the
@@ -84,8 +86,16 @@ StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
   // writes into a full buffer at stages 0-1 and when accumulating locally to
   // the boundary over several micro-steps at 2-3; otherwise into transient
   // bucket buffers.
-  p.full_grads = o.stage <= 1 || (at_boundary && multi);
-  p.shard_accumulator = o.stage >= 2 || (!at_boundary && multi);
+  // One rank in the shard group, one micro-step, no offload: the
+  // reduce-scatter is the identity and the shard is the whole buffer, so
+  // stages 2-3 take stage 1's path (backward writes the full buffer, reduced
+  // in place): no bucket buffers, no copies, no more bytes than the shard.
+  // (With offload the gradients stream to the host instead of staying on the
+  // device; with accumulation the full buffer would come on top of the shard.)
+  const bool identity_reduction =
+      world_size == 1 && !multi && !o.offload.optimizer && !o.buckets.bucket_buffers_on_one_rank;
+  p.full_grads = o.stage <= 1 || identity_reduction || (at_boundary && multi);
+  p.shard_accumulator = (o.stage >= 2 && !identity_reduction) || (!at_boundary && multi);
   p.reduce_only_at_boundary = at_boundary && multi;
   p.streams_grads_to_host = o.offload.optimizer && !multi;
 

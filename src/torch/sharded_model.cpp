@@ -326,8 +326,9 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
 
 void ShardedModel::bind_gradients_to_engine() {
   const EngineOptions& o = engine_->options();
-  ZERO_CHECK(o.stage <= 1, "bind_gradients_to_engine: needs ZeRO stage 0 or 1 (a full gradient buffer), got stage ",
-                 o.stage);
+  ZERO_CHECK(engine_->plan().full_grads, "bind_gradients_to_engine: needs a full gradient buffer (ZeRO stage 0 or 1, "
+             "or any stage on one rank with one micro-step and no offload), got stage ", o.stage, " on ",
+             engine_->world_size(), " rank(s)");
   ZERO_CHECK(o.accumulation_steps == 1, "bind_gradients_to_engine: needs accumulation_steps = 1, got ",
                  o.accumulation_steps);
   ZERO_CHECK(!o.offload.optimizer, "bind_gradients_to_engine: not with offload_optimizer (gradients go to the host)");
@@ -342,11 +343,6 @@ void ShardedModel::bind_gradients_to_engine() {
                                         torch::TensorOptions().device(device_).dtype(grad_type_));
   }
   gradients_bound_ = true;
-}
-
-void ShardedModel::wait_for_parameters() {
-  if (engine_->plan().gathers_units) return;
-  for (std::size_t u = 0; u < units_.size(); ++u) engine_->gather_unit(u);
 }
 
 void ShardedModel::on_gradient(std::size_t i) {

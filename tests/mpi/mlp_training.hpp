@@ -113,6 +113,8 @@ struct Config {
   std::vector<int> frozen;
   /// EngineOptions::shard_group_size (hybrid sharding); 0: flat.
   int shard_group_size = 0;
+  /// EngineOptions::buckets.bucket_buffers_on_one_rank.
+  bool bucket_buffers_on_one_rank = false;
   bool is_frozen(int param) const { return std::find(frozen.begin(), frozen.end(), param) != frozen.end(); }
 };
 
@@ -142,6 +144,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.ema.decay = c.ema_decay;
   o.param_groups = c.groups;
   o.shard_group_size = c.shard_group_size;
+  o.buckets.bucket_buffers_on_one_rank = c.bucket_buffers_on_one_rank;
   return o;
 }
 

@@ -54,6 +54,18 @@ TEST_CASE("stages 0..3 equal unsharded training and each other") {
       CHECK(bitwise_equal(by_stage[stage].model, by_stage[0].model));
       CHECK(by_stage[stage].norms == by_stage[0].norms);
     }
+    if (comm.size() == 1 && c.accumulation == 1) {
+      // One rank writes stages 2-3's gradients into a full buffer; the bucket
+      // buffers of several ranks, kept on request, give the same bits.
+      Config buckets = c;
+      buckets.bucket_buffers_on_one_rank = true;
+      for (int stage : {2, 3}) {
+        CAPTURE(stage);
+        const Trained t = train_sharded(buckets, stage, comm, *backend);
+        CHECK(bitwise_equal(t.master, by_stage[0].master));
+        CHECK(t.norms == by_stage[0].norms);
+      }
+    }
   }
 }
 
@@ -204,6 +216,31 @@ TEST_CASE("offload_params below stage 3 or without the optimizer offloaded is re
     CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, stage), comm, *backend),
                          doctest::Contains("offload_params needs stage 3 with offload_optimizer"), InvalidArgument);
   }
+}
+
+// CUDA graphs of the micro-step (Engine::begin_graph_capture): the capture
+// itself runs on the GPU (gpu.engine); here, what is refused before any
+// capture, naming why, and the replay calls out of order.
+TEST_CASE("a graph capture is refused where it cannot work, and replays out of order are refused") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  Config c;
+  Engine engine(mlp_units(), engine_options(c, 2), comm, *backend);
+  CHECK_THROWS_WITH_AS(engine.begin_graph_capture(), doctest::Contains("the mpi communicator waits on the host"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.graph_replayed(), doctest::Contains("no micro-step was captured"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(engine.end_graph_capture(), doctest::Contains("without begin_graph_capture"), InvalidArgument);
+  CHECK_FALSE(engine.graph_captured());
+  Config accumulating;
+  accumulating.accumulation = 2;
+  Engine accumulates(mlp_units(), engine_options(accumulating, 2), comm, *backend);
+  CHECK_THROWS_WITH_AS(accumulates.begin_graph_capture(), doctest::Contains("accumulation_steps = 1, got 2"),
+                       InvalidArgument);
+  Config offloaded;
+  offloaded.offload = true;
+  Engine offloads(mlp_units(), engine_options(offloaded, 2), comm, *backend);
+  CHECK_THROWS_WITH_AS(offloads.begin_graph_capture(), doctest::Contains("does not work with offload"),
+                       InvalidArgument);
 }
 
 TEST_CASE("offload_optimizer at stage 0 is refused with a clear error") {

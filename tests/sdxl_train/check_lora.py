@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ RANK, ALPHA = 4, 8.0
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "sdxl",
                        "tiny_a_weights.safetensors")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, read_safetensors  # noqa: E402
 
 
 def run(name, *overrides, ranks=RANKS, fresh=True):
@@ -72,20 +71,7 @@ def losses(out):
     return {row["step"]: row["loss"] for row in rows}
 
 
-def read_st(path):
-    """name -> (dtype, shape, values or raw bytes), and the metadata."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        body = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        raw = body[info["data_offsets"][0]:info["data_offsets"][1]]
-        values = struct.unpack(f"<{len(raw) // 4}f", raw) if info["dtype"] == "F32" else raw
-        out[name] = (info["dtype"], info["shape"], values)
-    return out, header.get("__metadata__", {})
+read_st = read_safetensors
 
 
 def rel_l2(got, want):

@@ -164,11 +164,12 @@ check(code != 0 and "offload_delayed_update needs offload_optimizer = true" in o
 cl = train("np2-stage2-channels-last", 2, "--stage", "2", "--channels_last", "true")
 worst = max(abs(a[s] - cl[s]) / abs(a[s]) for s in a)
 check(worst <= 1e-3, f"channels_last: the loss trajectory within 1e-3 of NCHW's (got {worst:.2e})")
-# The CUDA graph needs a GPU and stage 0 or 1; refused with the reason otherwise.
+# The CUDA graph needs a GPU and one micro-step per step; refused with the reason otherwise.
 for name, args, reason in [("graph-cpu", ("--stage", "1", "--cuda_graph", "true"),
                              "cuda_graph applies to device = \"cuda\" only"),
-                            ("graph-stage2", ("--stage", "2", "--cuda_graph", "true", "--device", "cuda"),
-                             "cuda_graph needs stage 0 or 1"),
+                            ("graph-accumulation", ("--stage", "2", "--cuda_graph", "true", "--device", "cuda",
+                                                    "--accumulation", "2"),
+                             "cuda_graph needs accumulation = 1"),
                             ("graph-ckpt", ("--stage", "1", "--cuda_graph", "true", "--device", "cuda",
                                             "--activation_checkpointing", "true"),
                              "cuda_graph does not work with activation_checkpointing"),

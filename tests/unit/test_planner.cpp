@@ -196,6 +196,19 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 12 GiB offloads the parameters as wel
 TEST_CASE("plan: engine buffers follow the engine's rules") {
   plan::PlanInput in = sdxl_input();
   in.activation_checkpointing = true;
+  // One rank: the reduce-scatter and the gathers are the identity, so stages
+  // 2-3 hold nothing transient either, and stage 1's gradient buffer.
+  in.world_size = 1;
+  in.engine.stage = 1;
+  const plan::Plan one_rank_stage1 = plan::make_plan(in);
+  for (int stage : {2, 3}) {
+    in.engine.stage = stage;
+    const plan::Plan one_rank = plan::make_plan(in);
+    CHECK(one_rank.engine.peak() == 0);
+    CHECK(one_rank.model_state.grads == one_rank_stage1.model_state.grads);
+  }
+  // The rules of several ranks.
+  in.world_size = 2;
   const std::size_t largest = plan::make_plan(in).largest_unit_elements;
   for (int stage : {0, 1}) {  // backward writes into the full gradient buffer: nothing transient
     in.engine.stage = stage;
@@ -231,11 +244,11 @@ TEST_CASE("plan: engine buffers follow the engine's rules") {
   in.engine.accumulation = GradAccumulation::reduce_at_boundary;
   const plan::Plan boundary = plan::make_plan(in);
   CHECK(boundary.engine.bucket_buffers == 0);
-  CHECK(boundary.model_state.grads == two.model_state.grads * 2);  // full buffer + sharded accumulator at N=1
+  CHECK(boundary.model_state.grads == two.model_state.grads * 3);  // full buffer + sharded accumulator at N=2
   // fp32 reductions of half gradients need scratch for the largest bucket.
   in.engine.accumulation_steps = 1;
   in.fp32_accumulate_reductions = true;
-  CHECK(plan::make_plan(in).engine.comm_scratch == (largest + largest) * 4);
+  CHECK(plan::make_plan(in).engine.comm_scratch == (largest + largest / 2) * 4);  // the unit and its shard at N=2
 }
 
 TEST_CASE("plan: a bare parameter count is grouped into buckets of bucket_bytes") {

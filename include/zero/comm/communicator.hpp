@@ -51,6 +51,11 @@ class Work {
   virtual void wait() = 0;
   /// Non-blocking: true once wait() would return at once.
   virtual bool test() = 0;
+  /// For a caller that orders every use of the result after the work on the
+  /// device (stream order), as inside a CUDA graph capture, where the host
+  /// cannot wait: drops the need to wait, so that destroying the handle does
+  /// not block. Host backends' work is not stream-ordered: they finish it here.
+  virtual void detach() { wait(); }
 };
 using WorkPtr = std::unique_ptr<Work>;
 
@@ -120,6 +125,9 @@ class Communicator {
   /// (grad norms, overflow flags, loss averages).
   virtual void all_reduce_host_f64(double* values, std::size_t count, ReduceOp op) = 0;
 
+  /// Whether collectives on device streams can be captured in a CUDA graph
+  /// (NCCL's can; a host-staged path waits on the host, which a capture forbids).
+  virtual bool graph_capturable() const { return false; }
   /// Scratch bytes the backend holds now and at most (counted as engine buffers).
   virtual std::size_t workspace_bytes() const { return 0; }
   virtual std::size_t peak_workspace_bytes() const { return 0; }

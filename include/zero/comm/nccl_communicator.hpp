@@ -71,6 +71,10 @@ class NcclCommunicator final : public Communicator {
   int local_size() const override { return local_size_; }
   MemoryKind memory_kind() const override { return MemoryKind::device; }
   std::string backend_name() const override { return "nccl"; }
+  /// NCCL's collectives are captured like kernels. (The fp32_accumulate
+  /// scratch must have reached its size before: grown in a capture it would
+  /// be freed under the graph.)
+  bool graph_capturable() const override { return true; }
 
   WorkPtr reduce_scatter(const void* send, void* recv, std::size_t count, DType dtype,
                          ReduceOp op, Stream stream = nullptr) override;

@@ -157,6 +157,29 @@ class Engine {
   void finish_micro_step();
   int micro_step() const { return micro_step_; }
 
+  // ------------------------------------------------------------ CUDA graphs (any stage)
+  // A micro-step (the stage-3 gathers, forward, backward with its gradient
+  // writes and reductions, finish_micro_step) captured once in a CUDA graph
+  // on the compute stream and replayed in place of the later ones:
+  //   capture begins on the compute stream -> begin_graph_capture() ->
+  //   the micro-step as usual, finish_micro_step() included ->
+  //   end_graph_capture() -> capture ends;
+  //   each later micro-step: prepare_graph_replay() -> replay -> graph_replayed().
+  // While capturing, the engine waits for its collectives on the device, not
+  // the host, and the transient blocks the capture used are kept for the
+  // graph's replays (the graph has their addresses). Needs a capturable
+  // communicator (NCCL), one micro-step per step and no offload; throws
+  // InvalidArgument naming what is missing otherwise.
+  void begin_graph_capture();
+  void end_graph_capture();
+  bool graph_captured() const;
+  /// Before a replay: the work outside the graph that its first nodes must
+  /// follow (stages 1-2's parameter gathers, the accumulator's zeroing on the
+  /// comm stream) is ordered before the compute stream's next work.
+  void prepare_graph_replay();
+  /// After a replay: the micro-step is done, as the captured one left it.
+  void graph_replayed();
+
   // ------------------------------------------------------------ optimizer
   /// Applies the optimizer after accumulation_steps micro-steps.
   StepResult step();

@@ -40,6 +40,13 @@ struct BucketOptions {
   /// each block when it is given back: the least memory, but every free
   /// then waits for the device.
   std::optional<std::size_t> cache_bytes;
+  /// On one rank the reduce-scatter and the gathers are the identity:
+  /// stages 2-3 let backward write one full gradient buffer
+  /// (StagePlan::full_grads) and stage 3 uses units where they lie in the
+  /// shard (StagePlan::units_in_place). True keeps the bucket buffers, unit
+  /// buffers and copies of several ranks there too: for tests of those paths
+  /// on one GPU, not for speed.
+  bool bucket_buffers_on_one_rank = false;
 };
 
 /// Exponential moving average of the weights (fp32, sharded like the master

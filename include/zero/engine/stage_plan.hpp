@@ -34,13 +34,18 @@ struct StagePlan {
   bool params_full = true;
   /// Stage 3: units are gathered into transient buffers around their use.
   bool gathers_units = false;
+  /// Stage 3 on one rank without offload: the shard is the whole model, so a
+  /// "gathered" unit is used where it lies in the shard (no buffer, no copy).
+  bool units_in_place = false;
   /// Stages 1-2: each rank updates its slices, then the slices are all-gathered.
   bool gathers_params_after_step = false;
   /// offload.params: the stage-3 parameter shard lives in pinned host memory.
   bool params_on_host = false;
 
   // ---- gradients
-  /// Backward writes into one full gradient buffer (else transient bucket buffers).
+  /// Backward writes into one full gradient buffer (else transient bucket
+  /// buffers): stages 0-1, and stages 2-3 on one rank with one micro-step
+  /// and no offload (where the reduce-scatter is the identity).
   bool full_grads = true;
   /// Reduced gradients accumulate in a sharded buffer (else in place in the full one).
   bool shard_accumulator = false;

@@ -87,19 +87,16 @@ class ShardedModel {
   /// Makes each parameter's .grad a view of the engine's full gradient
   /// buffer, so that autograd accumulates into it in place and the
   /// per-parameter hooks do no work; finish_micro_step() then declares every
-  /// gradient ready and starts the reductions. Forward and backward are then
-  /// pure device work with fixed addresses, which a CUDA graph can capture.
-  /// Needs stage 0 or 1 (the engine keeps a full gradient buffer), one
-  /// micro-step per step, no offload, and gradients in the parameters' dtype;
+  /// gradient ready and starts the reductions. Forward and backward then do
+  /// no gradient work on the host, and write fixed addresses.
+  /// Needs a full gradient buffer (stage 0 or 1, or any stage on one rank:
+  /// StagePlan::full_grads), one micro-step per step, no offload, and
+  /// gradients in the parameters' dtype;
   /// throws InvalidArgument naming what is missing otherwise. Do not clear
   /// the parameters' .grad afterwards (step() zeroes the buffer).
   void bind_gradients_to_engine();
   bool gradients_bound() const { return gradients_bound_; }
 
-  /// Stages 1-2: waits (on the device) for the parameter all-gathers that
-  /// step() left in flight, so that a forward that follows has nothing left
-  /// to wait for (required before a captured forward is replayed).
-  void wait_for_parameters();
 
   // Called from autograd hooks and functions (public for them, not for users).
   void on_gradient(std::size_t param);

@@ -12,12 +12,12 @@ void Engine::begin_graph_capture() {
   ZERO_CHECK(!m.capturing && !m.captured, "begin_graph_capture: this engine has captured a micro-step already "
              "(one graph per engine)");
   ZERO_CHECK(options_.accumulation_steps == 1, "a CUDA graph of the micro-step needs accumulation_steps = 1, got ",
-                 options_.accumulation_steps);
+             options_.accumulation_steps);
   ZERO_CHECK(!m.plan.optimizer_on_host && !m.plan.params_on_host,
-                 "a CUDA graph of the micro-step does not work with offload (the gradients go to the host)");
+             "a CUDA graph of the micro-step does not work with offload (the gradients go to the host)");
   ZERO_CHECK(m.comm.graph_capturable() && (!m.replica_comm || m.replica_comm->graph_capturable()),
-                 "a CUDA graph of the micro-step needs collectives that can be captured (NCCL); the ",
-                 m.comm.backend_name(), " communicator waits on the host");
+             "a CUDA graph of the micro-step needs collectives that can be captured (NCCL); the ",
+             m.comm.backend_name(), " communicator waits on the host");
   ZERO_CHECK(micro_step_ == 0, "begin_graph_capture: call it at the start of a step (micro-step ", micro_step_, ")");
   ZERO_CHECK(m.prepared_for_capture, "begin_graph_capture: call prepare_graph_replay() before the capture begins "
              "(the work outside the graph must be ordered before it)");

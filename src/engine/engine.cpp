@@ -505,6 +505,7 @@ StepResult Engine::step() {
              " micro-steps; accumulation_steps is ", options_.accumulation_steps,
              " (call finish_micro_step() after each)");
   m.finish_param_gathers();  // the optimizer is about to write the parameters
+  m.prepared_for_capture = false;  // what a capture must follow is queued from here on
   StepResult result;
 
   // 1. Global statistics of the reduced gradients, each rank over the slices

@@ -248,6 +248,10 @@ std::vector<Option> options_of(TrainConfig& c) {
        "hybrid sharding (HSDP): shard over groups of this many consecutive ranks (one node), replicate across the "
        "groups; must divide the number of ranks (0: shard over all ranks)"},
       {"zero", "accumulation_mode", &c.accumulation_mode, "each (reduce every micro-step) or boundary"},
+      {"zero", "units", &c.units,
+       "the UNet's ZeRO units, also its buckets and what checkpointing recomputes at once: layers (one per ResNet "
+       "block, transformer layer and resampler; 93 for SDXL, at most 49 M parameters) or blocks (one per down, mid "
+       "and up block; 9, up to 1.2 B)"},
       {"zero", "offload_optimizer", &c.offload_optimizer,
        "keep master weights, optimizer state and EMA in pinned host memory, updated by the CPU (stages 1-3)"},
       {"zero", "offload_params", &c.offload_params,
@@ -597,6 +601,7 @@ void TrainConfig::validate() const {
              "], got ",
              bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
+  one_of(units, {"layers", "blocks"}, "units");
   ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);
   ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
              "offload_params needs stage = 3 and offload_optimizer = true, got stage ", stage,

@@ -76,6 +76,7 @@ struct TrainConfig {
   std::int64_t stage = 2;
   double bucket_mib = 32;
   std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
+  std::string units = "layers";  // the UNet's ZeRO units: layers (per ResNet block/transformer layer) or blocks
   bool offload_optimizer = false;      // master, optimizer state, EMA in pinned host memory (stages 1-3)
   std::int64_t shard_group_size = 0;   // hybrid sharding: ranks per shard group (0: all ranks)
   bool offload_params = false;         // stage 3 + offload_optimizer: parameter shards in pinned host memory

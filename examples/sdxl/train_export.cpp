@@ -54,7 +54,8 @@ UNet2DConditionModel starting_unet(const TrainConfig& c, const UNetConfig& ucfg)
   // needs the initialisation (SDXL's takes seconds).
   const bool load = !c.model_weights.empty();
   torch::manual_seed(static_cast<std::uint64_t>(c.seed));  // the same initial weights on every rank, and at export
-  UNet2DConditionModel unet(ucfg, UNetBuildOptions{.initialize = !load});
+  UNet2DConditionModel unet(
+      ucfg, UNetBuildOptions{.initialize = !load, .units = unit_granularity_from(c.units, "[zero] units")});
   if (load) load_unet_weights(*unet, c.model_weights);
   return unet;
 }

@@ -34,7 +34,7 @@ zero::plan::PlanInput plan_input(const TrainConfig& c, const UNetConfig& ucfg, c
   in.engine = options;
   in.world_size = world;
   sdxl::calibration::apply(in, static_cast<std::size_t>(count_parameters(ucfg)));
-  in.units = sdxl::plan_units(ucfg);
+  in.units = sdxl::plan_units(ucfg, unit_granularity_from(c.units, "[zero] units"));
   // Frozen tensors count as parameters only: each unit's frozen sizes (from
   // the model) are moved out of the planner's list of the unit's tensors.
   ZERO_CHECK(frozen_sizes_by_unit.empty() || frozen_sizes_by_unit.size() == in.units.size(),

@@ -14,6 +14,7 @@
 
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "geglu.hpp"
@@ -62,6 +63,30 @@ struct ParamFactory {
 // ("0", "2", ...), to reproduce diffusers' nn.ModuleList / nn.Sequential paths
 // including indices that hold parameterless modules (dropout).
 std::shared_ptr<torch::nn::Module> make_container() { return std::make_shared<torch::nn::Module>(); }
+
+// A unit's computation (its tensor inputs -> its outputs), and what runs one
+// as a stage-3 unit of layer granularity: the model's run() (gathers,
+// recomputation). Null: the layer runs directly, inside its block's unit.
+using Body = std::function<variable_list(const variable_list&)>;
+using LayerRunner = std::function<variable_list(const variable_list&, const Body&)>;
+
+Tensor run_layer(const LayerRunner* run, const variable_list& inputs, const Body& body) {
+  return (run ? (*run)(inputs, body) : body(inputs))[0];
+}
+
+// (full module name, module) of the modules one unit is made of, in order.
+using NamedModules = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
+
+void add_unit(std::vector<ParameterUnit>& units, std::string name, const NamedModules& parts) {
+  ParameterUnit unit;
+  unit.name = std::move(name);
+  for (const auto& [prefix, module] : parts) {
+    unit.modules.push_back(module);
+    for (const auto& item : module->named_parameters(/*recurse=*/true))
+      unit.parameters.emplace_back(prefix + "." + item.key(), item.value());
+  }
+  units.push_back(std::move(unit));
+}
 
 }  // namespace
 
@@ -351,25 +376,75 @@ class Transformer2DModel : public torch::nn::Module {
     }
   }
 
-  Tensor forward(const Tensor& x, const Tensor& context) const {
-    const std::int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
-    Tensor t = norm_->forward(x);
-    if (linear_projection_) {
-      t = proj_in_linear_->forward(t.permute({0, 2, 3, 1}).reshape({b, h * w, c}));
-    } else {
-      t = proj_in_conv_->forward(t).permute({0, 2, 3, 1}).reshape({b, h * w, c});
+  /// run: each transformer layer as its own unit (layer granularity), the
+  /// first with norm and proj_in, the last with proj_out and the residual.
+  Tensor forward(const Tensor& x, const Tensor& context, const LayerRunner* run = nullptr) const {
+    if (!run) {
+      Tensor t = tokens_in(x);
+      for (const auto& block : blocks_) t = block->forward(t, context);
+      return tokens_out(t, x);
     }
-    for (const auto& block : blocks_) t = block->forward(t, context);
-    if (linear_projection_) {
-      // Channels-last input: the permuted tokens already are NHWC, no copy.
-      t = proj_out_linear_->forward(t).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());
-    } else {
-      t = proj_out_conv_->forward(t.reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format()));
+    const std::size_t n = unit_count();
+    Tensor t;
+    for (std::size_t k = 0; k < n; ++k) {
+      const bool first = k == 0, last = k + 1 == n;
+      variable_list inputs{first ? x : t, context};
+      if (last && !first) inputs.push_back(x);  // for the residual
+      t = (*run)(inputs, [this, k, first, last](const variable_list& in) {
+            Tensor h = first ? tokens_in(in[0]) : in[0];
+            if (k < blocks_.size()) h = blocks_[k]->forward(h, in[1]);
+            return variable_list{last ? tokens_out(h, first ? in[0] : in[2]) : h};
+          })[0];
     }
-    return t + x;
+    return t;
+  }
+
+  /// The units forward(x, context, run) runs, in that order.
+  void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
+    const std::size_t n = unit_count();
+    for (std::size_t k = 0; k < n; ++k) {
+      NamedModules parts;
+      if (k == 0) {
+        parts.emplace_back(prefix + ".norm", norm_);
+        parts.emplace_back(prefix + ".proj_in", either(proj_in_linear_, proj_in_conv_));
+      }
+      const std::string layer = prefix + ".transformer_blocks." + std::to_string(k);
+      if (k < blocks_.size()) parts.emplace_back(layer, blocks_[k]);
+      if (k + 1 == n) parts.emplace_back(prefix + ".proj_out", either(proj_out_linear_, proj_out_conv_));
+      add_unit(units, blocks_.empty() ? prefix : layer, parts);
+    }
   }
 
  private:
+  std::size_t unit_count() const { return std::max<std::size_t>(1, blocks_.size()); }
+  // proj_in/proj_out: the linear layer or the 1x1 convolution, whichever exists.
+  static std::shared_ptr<torch::nn::Module> either(const std::shared_ptr<Linear>& linear,
+                                                   const std::shared_ptr<Conv2d>& conv) {
+    if (linear) return linear;
+    return conv;
+  }
+
+  // GroupNorm and proj_in: [B, C, H, W] -> tokens [B, H*W, C].
+  Tensor tokens_in(const Tensor& x) const {
+    const std::int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+    Tensor t = norm_->forward(x);
+    if (linear_projection_) return proj_in_linear_->forward(t.permute({0, 2, 3, 1}).reshape({b, h * w, c}));
+    return proj_in_conv_->forward(t).permute({0, 2, 3, 1}).reshape({b, h * w, c});
+  }
+
+  // proj_out back to x's shape and memory format, plus the residual x.
+  Tensor tokens_out(const Tensor& t, const Tensor& x) const {
+    const std::int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+    Tensor out;
+    if (linear_projection_) {
+      // Channels-last input: the permuted tokens already are NHWC, no copy.
+      out = proj_out_linear_->forward(t).reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());
+    } else {
+      out = proj_out_conv_->forward(t.reshape({b, h, w, c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format()));
+    }
+    return out + x;
+  }
+
   bool linear_projection_;
   std::shared_ptr<GroupNorm> norm_;
   std::shared_ptr<Linear> proj_in_linear_, proj_out_linear_;
@@ -420,19 +495,35 @@ class DownBlock : public torch::nn::Module {
     }
   }
 
-  /// Returns the skip connections for the up path; the last one is the block's output.
-  variable_list forward(Tensor x, const Tensor& temb, const Tensor& context) const {
+  /// Returns the skip connections for the up path; the last one is the
+  /// block's output. run: each layer as its own unit (layer granularity).
+  variable_list forward(Tensor x, const Tensor& temb, const Tensor& context, const LayerRunner* run = nullptr) const {
     variable_list outputs;
     for (std::size_t i = 0; i < resnets_.size(); ++i) {
-      x = resnets_[i]->forward(x, temb);
-      if (!attentions_.empty()) x = attentions_[i]->forward(x, context);
+      x = run_layer(run, {x, temb}, [r = resnets_[i].get()](const variable_list& in) {
+        return variable_list{r->forward(in[0], in[1])};
+      });
+      if (!attentions_.empty()) x = attentions_[i]->forward(x, context, run);
       outputs.push_back(x);
     }
     if (downsample_) {
-      x = downsample_->forward(x);
+      x = run_layer(run, {x}, [conv = downsample_.get()](const variable_list& in) {
+        return variable_list{conv->forward(in[0])};
+      });
       outputs.push_back(x);
     }
     return outputs;
+  }
+
+  /// The units forward(..., run) runs, in that order.
+  void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
+    for (std::size_t i = 0; i < resnets_.size(); ++i) {
+      const std::string idx = std::to_string(i);
+      add_unit(units, prefix + ".resnets." + idx, {{prefix + ".resnets." + idx, resnets_[i]}});
+      if (!attentions_.empty()) attentions_[i]->add_units(prefix + ".attentions." + idx, units);
+    }
+    if (downsample_)
+      add_unit(units, prefix + ".downsamplers.0", {{prefix + ".downsamplers.0.conv", downsample_}});
   }
 
  private:
@@ -461,13 +552,27 @@ class MidBlock : public torch::nn::Module {
     }
   }
 
-  Tensor forward(Tensor x, const Tensor& temb, const Tensor& context) const {
-    x = resnets_[0]->forward(x, temb);
+  Tensor forward(Tensor x, const Tensor& temb, const Tensor& context, const LayerRunner* run = nullptr) const {
+    auto resnet = [&](std::size_t i, const Tensor& in) {
+      return run_layer(run, {in, temb}, [r = resnets_[i].get()](const variable_list& a) {
+        return variable_list{r->forward(a[0], a[1])};
+      });
+    };
+    x = resnet(0, x);
     for (std::size_t i = 0; i < attentions_.size(); ++i) {
-      x = attentions_[i]->forward(x, context);
-      x = resnets_[i + 1]->forward(x, temb);
+      x = attentions_[i]->forward(x, context, run);
+      x = resnet(i + 1, x);
     }
     return x;
+  }
+
+  void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
+    add_unit(units, prefix + ".resnets.0", {{prefix + ".resnets.0", resnets_[0]}});
+    for (std::size_t i = 0; i < attentions_.size(); ++i) {
+      attentions_[i]->add_units(prefix + ".attentions." + std::to_string(i), units);
+      const std::string r = prefix + ".resnets." + std::to_string(i + 1);
+      add_unit(units, r, {{r, resnets_[i + 1]}});
+    }
   }
 
  private:
@@ -510,21 +615,36 @@ class UpBlock : public torch::nn::Module {
   /// skips: this block's skip connections in the order the down path made
   /// them; consumed from the back. upsample_size: explicit output size when
   /// the input size is not a multiple of 2^(levels-1); empty = x2.
+  /// run: each layer as its own unit (layer granularity); a resnet's unit
+  /// includes the concatenation with its skip connection.
   Tensor forward(Tensor x, const variable_list& skips, const Tensor& temb, const Tensor& context,
-                 const std::vector<std::int64_t>& upsample_size) const {
+                 const std::vector<std::int64_t>& upsample_size, const LayerRunner* run = nullptr) const {
     for (std::size_t i = 0; i < resnets_.size(); ++i) {
-      x = torch::cat({x, skips[skips.size() - 1 - i]}, 1);
-      x = resnets_[i]->forward(x, temb);
-      if (!attentions_.empty()) x = attentions_[i]->forward(x, context);
+      x = run_layer(run, {x, skips[skips.size() - 1 - i], temb}, [r = resnets_[i].get()](const variable_list& in) {
+        return variable_list{r->forward(torch::cat({in[0], in[1]}, 1), in[2])};
+      });
+      if (!attentions_.empty()) x = attentions_[i]->forward(x, context, run);
     }
     if (upsample_conv_) {
-      namespace F = torch::nn::functional;
-      std::vector<std::int64_t> size =
-          upsample_size.empty() ? std::vector<std::int64_t>{2 * x.size(2), 2 * x.size(3)} : upsample_size;
-      x = F::interpolate(x, F::InterpolateFuncOptions().size(size).mode(torch::kNearest));
-      x = upsample_conv_->forward(x);
+      x = run_layer(run, {x}, [conv = upsample_conv_.get(), upsample_size](const variable_list& in) {
+        namespace F = torch::nn::functional;
+        const Tensor& h = in[0];
+        std::vector<std::int64_t> size =
+            upsample_size.empty() ? std::vector<std::int64_t>{2 * h.size(2), 2 * h.size(3)} : upsample_size;
+        return variable_list{conv->forward(F::interpolate(h, F::InterpolateFuncOptions().size(size).mode(torch::kNearest)))};
+      });
     }
     return x;
+  }
+
+  void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
+    for (std::size_t i = 0; i < resnets_.size(); ++i) {
+      const std::string idx = std::to_string(i);
+      add_unit(units, prefix + ".resnets." + idx, {{prefix + ".resnets." + idx, resnets_[i]}});
+      if (!attentions_.empty()) attentions_[i]->add_units(prefix + ".attentions." + idx, units);
+    }
+    if (upsample_conv_)
+      add_unit(units, prefix + ".upsamplers.0", {{prefix + ".upsamplers.0.conv", upsample_conv_}});
   }
 
  private:
@@ -616,7 +736,9 @@ variable_list checkpoint(std::function<variable_list(const variable_list&)> fn, 
 // ---------------------------------------------------------------- the model
 
 UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNetConfig config, UNetBuildOptions options)
-    : config_(std::move(config)), activation_checkpointing_(options.activation_checkpointing) {
+    : config_(std::move(config)),
+      activation_checkpointing_(options.activation_checkpointing),
+      unit_granularity_(options.units) {
   config_.validate();
   const UNetConfig& cfg = config_;
   const ParamFactory f{options.tensor_options, options.initialize};
@@ -764,20 +886,26 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
   const Tensor& context = encoder_hidden_states;
   Tensor sample = embedded[1];
 
+  // Layer granularity: the blocks run each of their layers through run();
+  // block granularity: each block's whole computation is one run().
+  const bool per_layer = unit_granularity_ == UnitGranularity::layers;
+  const LayerRunner layer_run = [&](const variable_list& in, const Body& body) { return run(recompute, in, body); };
   variable_list skips{sample};
   for (const auto& block : down_blocks_) {
     auto* raw = block.get();
-    variable_list outs =
-        run(recompute, {sample, emb, context}, [raw](const variable_list& in) { return raw->forward(in[0], in[1], in[2]); });
+    variable_list outs = per_layer ? raw->forward(sample, emb, context, &layer_run)
+                                   : run(recompute, {sample, emb, context},
+                                         [raw](const variable_list& in) { return raw->forward(in[0], in[1], in[2]); });
     sample = outs.back();
     skips.insert(skips.end(), outs.begin(), outs.end());
   }
 
   if (mid_block_) {
     auto* raw = mid_block_.get();
-    sample = run(recompute, {sample, emb, context}, [raw](const variable_list& in) {
-      return variable_list{raw->forward(in[0], in[1], in[2])};
-    })[0];
+    sample = per_layer ? raw->forward(sample, emb, context, &layer_run)
+                       : run(recompute, {sample, emb, context}, [raw](const variable_list& in) {
+                           return variable_list{raw->forward(in[0], in[1], in[2])};
+                         })[0];
   }
 
   for (std::size_t i = 0; i < up_blocks_.size(); ++i) {
@@ -790,6 +918,10 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
       upsample_size = {skips.back().size(2), skips.back().size(3)};
     }
     auto* raw = block.get();
+    if (per_layer) {
+      sample = raw->forward(sample, block_skips, emb, context, upsample_size, &layer_run);
+      continue;
+    }
     variable_list in{sample, emb, context};
     in.insert(in.end(), block_skips.begin(), block_skips.end());
     sample = run(recompute, in, [raw, upsample_size](const variable_list& args) {
@@ -844,31 +976,25 @@ std::vector<std::string> UNet2DConditionModelImpl::add_lora(const LoraOptions& o
 
 std::vector<ParameterUnit> UNet2DConditionModelImpl::units() const {
   std::vector<ParameterUnit> units;
-  auto add = [&](std::string name, std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> parts) {
-    ParameterUnit unit;
-    unit.name = std::move(name);
-    for (auto& [prefix, module] : parts) {
-      unit.modules.push_back(module);
-      for (const auto& item : module->named_parameters(/*recurse=*/true)) {
-        unit.parameters.emplace_back(prefix + "." + item.key(), item.value());
-      }
-    }
-    units.push_back(std::move(unit));
-  };
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> embed{{"conv_in", conv_in_},
-                                                                                {"time_embedding", time_embedding_}};
+  NamedModules embed{{"conv_in", conv_in_}, {"time_embedding", time_embedding_}};
   if (add_embedding_) embed.emplace_back("add_embedding", add_embedding_);
-  add("embed", std::move(embed));
+  add_unit(units, "embed", embed);
+  const bool per_layer = unit_granularity_ == UnitGranularity::layers;
   for (std::size_t i = 0; i < down_blocks_.size(); ++i) {
     const std::string name = "down_blocks." + std::to_string(i);
-    add(name, {{name, down_blocks_[i]}});
+    if (per_layer) down_blocks_[i]->add_units(name, units);
+    else add_unit(units, name, {{name, down_blocks_[i]}});
   }
-  if (mid_block_) add("mid_block", {{"mid_block", mid_block_}});
+  if (mid_block_) {
+    if (per_layer) mid_block_->add_units("mid_block", units);
+    else add_unit(units, "mid_block", {{"mid_block", mid_block_}});
+  }
   for (std::size_t i = 0; i < up_blocks_.size(); ++i) {
     const std::string name = "up_blocks." + std::to_string(i);
-    add(name, {{name, up_blocks_[i]}});
+    if (per_layer) up_blocks_[i]->add_units(name, units);
+    else add_unit(units, name, {{name, up_blocks_[i]}});
   }
-  add("head", {{"conv_norm_out", conv_norm_out_}, {"conv_out", conv_out_}});
+  add_unit(units, "head", {{"conv_norm_out", conv_norm_out_}, {"conv_out", conv_out_}});
   return units;
 }
 

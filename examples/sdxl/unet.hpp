@@ -36,9 +36,11 @@ struct UNetBuildOptions {
   /// and biases, ones/zeros for norms). Off leaves parameters uninitialised,
   /// for when weights are loaded right after construction.
   bool initialize = true;
-  /// Recompute each down/mid/up block in backward instead of keeping its
-  /// activations (see set_activation_checkpointing()).
+  /// Recompute each unit in backward instead of keeping its activations (see
+  /// set_activation_checkpointing()).
   bool activation_checkpointing = false;
+  /// The stage-3 units (units(); also the checkpointing granularity).
+  UnitGranularity units = UnitGranularity::layers;
 };
 
 /// LoRA adapters on the UNet's Linear layers, as PEFT applies them:
@@ -59,7 +61,11 @@ struct LoraOptions {
 
 /// A group of parameters that ZeRO stage 3 gathers and frees together.
 struct ParameterUnit {
-  std::string name;  // "embed", "down_blocks.0", ..., "mid_block", "up_blocks.0", ..., "head"
+  /// "embed", then per layer ("down_blocks.0.resnets.0",
+  /// "down_blocks.1.attentions.0.transformer_blocks.0",
+  /// "down_blocks.0.downsamplers.0", ...) or per block ("down_blocks.0", ...,
+  /// "mid_block", "up_blocks.0", ...), then "head".
+  std::string name;
   /// The top-level submodules that make up the unit, in execution order.
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   /// (full diffusers name, parameter) in state-dict order.
@@ -83,9 +89,9 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
                         const torch::Tensor& encoder_hidden_states, const torch::Tensor& text_embeds = {},
                         const torch::Tensor& time_ids = {});
 
-  /// When on and grad mode is enabled, each down, mid and up block runs without
-  /// saving activations and is recomputed during backward (LibTorch has no
-  /// torch.utils.checkpoint; see unet.cpp). Gradients are unchanged.
+  /// When on and grad mode is enabled, each unit but "embed" and "head" runs
+  /// without saving activations and is recomputed during backward (LibTorch
+  /// has no torch.utils.checkpoint; see unet.cpp). Gradients are unchanged.
   void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
   bool activation_checkpointing() const { return activation_checkpointing_; }
   /// Runs the convolutional path in channels-last (NHWC) memory order: cuDNN
@@ -107,9 +113,11 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   void set_unit_runner(UnitRunner runner) { unit_runner_ = std::move(runner); }
 
   /// The stage-3 units in execution order: "embed" (conv_in, time_embedding,
-  /// add_embedding), each down block, the mid block, each up block, "head"
-  /// (conv_norm_out, conv_out). Every parameter is in exactly one unit.
+  /// add_embedding), the down path, the mid block, the up path (per layer or
+  /// per block, UNetBuildOptions::units), "head" (conv_norm_out, conv_out).
+  /// Every parameter is in exactly one unit.
   std::vector<ParameterUnit> units() const;
+  UnitGranularity unit_granularity() const { return unit_granularity_; }
 
   /// Adds LoRA adapters to every Linear layer whose module name matches one
   /// of options.targets, A drawn from `generator`; returns the adapted module
@@ -129,6 +137,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
   UNetConfig config_;
   bool activation_checkpointing_ = false;
+  UnitGranularity unit_granularity_ = UnitGranularity::layers;
   bool channels_last_ = false;
   UnitRunner unit_runner_;
   std::vector<std::string> lora_modules_;

@@ -14,6 +14,15 @@ namespace sdxl {
 
 using nlohmann::json;
 
+std::string_view name_of(UnitGranularity units) { return units == UnitGranularity::layers ? "layers" : "blocks"; }
+
+UnitGranularity unit_granularity_from(std::string_view name, std::string_view what) {
+  if (name == "layers") return UnitGranularity::layers;
+  if (name == "blocks") return UnitGranularity::blocks;
+  ZERO_THROW(zero::InvalidArgument, what, " must be \"layers\" (one ZeRO unit per ResNet block, transformer layer and "
+             "resampler) or \"blocks\" (one per down, mid and up block), got \"", name, "\"");
+}
+
 std::string_view name_of(DownBlockType type) {
   return type == DownBlockType::kDown ? "DownBlock2D" : "CrossAttnDownBlock2D";
 }

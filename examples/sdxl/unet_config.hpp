@@ -11,10 +11,30 @@
 
 namespace sdxl {
 
+/// How the UNet's parameters are grouped into ZeRO stage-3 units. A unit is
+/// what stage 3 gathers and frees at once, the engine's bucket (what is
+/// reduced at once) and what activation checkpointing recomputes at once, so
+/// its largest member bounds the gathered-parameter, gradient-bucket and
+/// recompute memory.
+enum class UnitGranularity {
+  /// One unit per ResNet block, per transformer layer (BasicTransformerBlock;
+  /// a Transformer2DModel's first layer also holds its norm and proj_in, its
+  /// last one proj_out) and per resampler: 168 units for SDXL, the largest
+  /// 48 M parameters (FSDP's per-layer wrapping).
+  layers,
+  /// One unit per down, mid and up block: 9 units for SDXL, the largest
+  /// (up_blocks.0) 1.3 B parameters.
+  blocks,
+};
+
+
 /// Kinds of down/up blocks (diffusers class names in parentheses).
 enum class DownBlockType { kDown, kCrossAttnDown };  // DownBlock2D, CrossAttnDownBlock2D
 enum class UpBlockType { kUp, kCrossAttnUp };        // UpBlock2D, CrossAttnUpBlock2D
 
+std::string_view name_of(UnitGranularity units);  // "layers", "blocks"
+/// "layers" or "blocks"; zero::InvalidArgument naming `what` otherwise.
+UnitGranularity unit_granularity_from(std::string_view name, std::string_view what);
 std::string_view name_of(DownBlockType type);
 std::string_view name_of(UpBlockType type);
 

@@ -2,8 +2,9 @@
 // module registers, in registration order (which is named_parameters() order).
 #include "unet_param_count.hpp"
 
-#include "sdxl_calibration.hpp"
+#include <algorithm>
 
+#include "sdxl_calibration.hpp"
 #include "zero/core/error.hpp"
 
 namespace sdxl {
@@ -65,10 +66,29 @@ void transformer_2d(Tensors& t, const LevelSpec& spec) {
   linear(t, spec.channels, spec.channels, true);
 }
 
+// The units of one Transformer2DModel at layer granularity (unet.cpp's
+// Transformer2DModel::add_units): one per transformer layer, the first with
+// norm and proj_in, the last with proj_out.
+void transformer_2d_units(std::vector<UnitParameterCount>& units, const std::string& prefix, const LevelSpec& spec) {
+  const std::int64_t n = std::max<std::int64_t>(1, spec.transformer_layers);
+  for (std::int64_t k = 0; k < n; ++k) {
+    UnitParameterCount unit{spec.transformer_layers > 0 ? prefix + ".transformer_blocks." + std::to_string(k) : prefix,
+                            {}, true};
+    if (k == 0) {
+      norm(unit.tensors, spec.channels);
+      linear(unit.tensors, spec.channels, spec.channels, true);  // proj_in
+    }
+    if (k < spec.transformer_layers) transformer_block(unit.tensors, spec.channels, spec.cross_attention_dim);
+    if (k + 1 == n) linear(unit.tensors, spec.channels, spec.channels, true);  // proj_out
+    units.push_back(std::move(unit));
+  }
+}
+
 }  // namespace
 
-std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& cfg) {
+std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& cfg, UnitGranularity granularity) {
   cfg.validate();
+  const bool per_layer = granularity == UnitGranularity::layers;
   const std::size_t levels = cfg.num_levels();
   const std::int64_t temb = cfg.time_embed_dim();
   const std::int64_t c0 = cfg.block_out_channels[0];
@@ -80,47 +100,88 @@ std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& cfg) {
   if (cfg.addition_embed_text_time) timestep_embedding(embed.tensors, cfg.projection_class_embeddings_input_dim, temb);
   units.push_back(std::move(embed));
 
-  // Registration order within a block: attentions, resnets, then the resampler.
+  // Per block: registration order, attentions, resnets, then the resampler.
+  // Per layer: execution order, resnet i, attention i, ..., the resampler.
+  auto resnet_unit = [&](const std::string& name, std::int64_t in, std::int64_t out) {
+    UnitParameterCount unit{name, {}, true};
+    resnet(unit.tensors, in, out, temb);
+    units.push_back(std::move(unit));
+  };
+  auto sampler_unit = [&](const std::string& name, std::int64_t channels) {
+    UnitParameterCount unit{name, {}, true};
+    conv(unit.tensors, channels, channels, 3);
+    units.push_back(std::move(unit));
+  };
+
   std::vector<std::int64_t> skip_channels{c0};
   std::int64_t channels = c0;
   for (std::size_t i = 0; i < levels; ++i) {
     const LevelSpec spec = cfg.down_level(i);
     const bool last = i + 1 == levels;
-    UnitParameterCount unit{"down_blocks." + std::to_string(i), {}, true};
-    if (cfg.down_block_types[i] == DownBlockType::kCrossAttnDown)
-      for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(unit.tensors, spec);
-    for (std::int64_t l = 0; l < spec.num_layers; ++l)
-      resnet(unit.tensors, l == 0 ? channels : spec.channels, spec.channels, temb);
-    if (!last) conv(unit.tensors, spec.channels, spec.channels, 3);
+    const bool attention = cfg.down_block_types[i] == DownBlockType::kCrossAttnDown;
+    const std::string name = "down_blocks." + std::to_string(i);
+    if (per_layer) {
+      for (std::int64_t l = 0; l < spec.num_layers; ++l) {
+        resnet_unit(name + ".resnets." + std::to_string(l), l == 0 ? channels : spec.channels, spec.channels);
+        if (attention) transformer_2d_units(units, name + ".attentions." + std::to_string(l), spec);
+      }
+      if (!last) sampler_unit(name + ".downsamplers.0", spec.channels);
+    } else {
+      UnitParameterCount unit{name, {}, true};
+      if (attention)
+        for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(unit.tensors, spec);
+      for (std::int64_t l = 0; l < spec.num_layers; ++l)
+        resnet(unit.tensors, l == 0 ? channels : spec.channels, spec.channels, temb);
+      if (!last) conv(unit.tensors, spec.channels, spec.channels, 3);
+      units.push_back(std::move(unit));
+    }
     for (std::int64_t l = 0; l < spec.num_layers + (last ? 0 : 1); ++l) skip_channels.push_back(spec.channels);
     channels = spec.channels;
-    units.push_back(std::move(unit));
   }
 
   if (cfg.has_mid_block) {
     const LevelSpec spec = cfg.mid_level();
-    UnitParameterCount mid{"mid_block", {}, true};
-    for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(mid.tensors, spec);
-    for (std::int64_t l = 0; l <= spec.num_layers; ++l) resnet(mid.tensors, spec.channels, spec.channels, temb);
-    units.push_back(std::move(mid));
+    if (per_layer) {
+      resnet_unit("mid_block.resnets.0", spec.channels, spec.channels);
+      for (std::int64_t l = 0; l < spec.num_layers; ++l) {
+        transformer_2d_units(units, "mid_block.attentions." + std::to_string(l), spec);
+        resnet_unit("mid_block.resnets." + std::to_string(l + 1), spec.channels, spec.channels);
+      }
+    } else {
+      UnitParameterCount mid{"mid_block", {}, true};
+      for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(mid.tensors, spec);
+      for (std::int64_t l = 0; l <= spec.num_layers; ++l) resnet(mid.tensors, spec.channels, spec.channels, temb);
+      units.push_back(std::move(mid));
+    }
   }
 
   for (std::size_t i = 0; i < levels; ++i) {
     const LevelSpec spec = cfg.up_level(i);
     const bool last = i + 1 == levels;
-    UnitParameterCount unit{"up_blocks." + std::to_string(i), {}, true};
-    if (cfg.up_block_types[i] == UpBlockType::kCrossAttnUp)
-      for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(unit.tensors, spec);
+    const bool attention = cfg.up_block_types[i] == UpBlockType::kCrossAttnUp;
+    const std::string name = "up_blocks." + std::to_string(i);
+    std::vector<std::int64_t> resnet_in;
     for (std::int64_t l = 0; l < spec.num_layers; ++l) {
       ZERO_CHECK(!skip_channels.empty(), "UNet config: up block ", i,
                  " needs more skip connections than the down path makes (layers_per_block mismatch)");
-      const std::int64_t skip = skip_channels.back();
+      resnet_in.push_back((l == 0 ? channels : spec.channels) + skip_channels.back());
       skip_channels.pop_back();
-      resnet(unit.tensors, (l == 0 ? channels : spec.channels) + skip, spec.channels, temb);
     }
-    if (!last) conv(unit.tensors, spec.channels, spec.channels, 3);
+    if (per_layer) {
+      for (std::int64_t l = 0; l < spec.num_layers; ++l) {
+        resnet_unit(name + ".resnets." + std::to_string(l), resnet_in[static_cast<std::size_t>(l)], spec.channels);
+        if (attention) transformer_2d_units(units, name + ".attentions." + std::to_string(l), spec);
+      }
+      if (!last) sampler_unit(name + ".upsamplers.0", spec.channels);
+    } else {
+      UnitParameterCount unit{name, {}, true};
+      if (attention)
+        for (std::int64_t l = 0; l < spec.num_layers; ++l) transformer_2d(unit.tensors, spec);
+      for (std::int64_t in : resnet_in) resnet(unit.tensors, in, spec.channels, temb);
+      if (!last) conv(unit.tensors, spec.channels, spec.channels, 3);
+      units.push_back(std::move(unit));
+    }
     channels = spec.channels;
-    units.push_back(std::move(unit));
   }
 
   UnitParameterCount head{"head", {}, false};
@@ -136,9 +197,9 @@ std::int64_t count_parameters(const UNetConfig& config) {
   return n;
 }
 
-std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config) {
+std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config, UnitGranularity granularity) {
   std::vector<zero::plan::PlanUnit> units;
-  for (const UnitParameterCount& unit : count_unit_parameters(config)) {
+  for (const UnitParameterCount& unit : count_unit_parameters(config, granularity)) {
     zero::plan::PlanUnit u{unit.name, {}, unit.checkpointed, {}};
     for (std::int64_t t : unit.tensors) u.tensors.push_back(static_cast<std::size_t>(t));
     units.push_back(std::move(u));

@@ -15,23 +15,27 @@
 namespace sdxl {
 
 struct UnitParameterCount {
-  std::string name;                   // "embed", "down_blocks.0", ..., "mid_block", "up_blocks.0", ..., "head"
+  std::string name;                   // as ParameterUnit::name
+
   std::vector<std::int64_t> tensors;  // element counts in named_parameters() order
-  /// Recomputed in backward under activation checkpointing (the down, mid
-  /// and up blocks; not embed and head).
+  /// Recomputed in backward under activation checkpointing (all units but
+  /// embed and head).
   bool checkpointed = true;
   std::int64_t total() const;
 };
 
-/// One entry per unit of UNet2DConditionModelImpl::units(), in that order.
-std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& config);
+/// One entry per unit of UNet2DConditionModelImpl::units() at that
+/// granularity, in that order.
+std::vector<UnitParameterCount> count_unit_parameters(const UNetConfig& config,
+                                                      UnitGranularity units = UnitGranularity::layers);
 
 /// Sum over all units: 2,567,463,684 for UNetConfig::sdxl_base().
 std::int64_t count_parameters(const UNetConfig& config);
 
-/// The memory planner's units for this config (one per UNet block, tensor
+/// The memory planner's units for this config (the model's units, tensor
 /// sizes for the exact padding, embed and head not checkpointed).
-std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config);
+std::vector<zero::plan::PlanUnit> plan_units(const UNetConfig& config,
+                                             UnitGranularity units = UnitGranularity::layers);
 
 /// The planner's activation model: calibrated for sdxl_base(), scaled by
 /// parameter count (and marked extrapolated) for other configs; latent_size

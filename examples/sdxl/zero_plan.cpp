@@ -92,6 +92,7 @@ std::size_t parse_count(const std::string& text) {
 struct Options {
   std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
+  std::string units = "layers";
   int shard_group_size = 0, global_batch = 0;
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
@@ -130,6 +131,11 @@ void define_options(CLI::App& app, Options& o) {
       ->capture_default_str()->check(CLI::Range(1, kMaxBatch));
   app.add_option("--accumulation", o.accumulation, "micro-steps per step")
       ->capture_default_str()->check(CLI::Range(1, kMaxAccumulation));
+  app.add_option("--units", o.units,
+                 "with --unet-config: the UNet's ZeRO units, layers (per ResNet block, transformer layer and "
+                 "resampler) or blocks (per down, mid and up block), as the trainer's [zero] units")
+      ->check(CLI::IsMember({"layers", "blocks"}))
+      ->capture_default_str();
   app.add_option("--accumulation-mode", o.accumulation_mode, "each (reduce every micro-step) or boundary")
       ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
   app.add_flag("--checkpointing", o.checkpointing, "activation checkpointing (recompute each block in backward)");
@@ -158,7 +164,7 @@ void define_options(CLI::App& app, Options& o) {
 void describe_model(const Options& o, zero::plan::PlanInput& in) {
   if (!o.unet_config.empty()) {
     const sdxl::UNetConfig config = unet_config_of(o.unet_config);
-    in.units = sdxl::plan_units(config);
+    in.units = sdxl::plan_units(config, sdxl::unit_granularity_from(o.units, "--units"));
     in.model_name = o.unet_config;
     in.activations = sdxl::plan_activations(config, o.latent_size);
   } else {

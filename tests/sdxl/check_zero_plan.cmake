@@ -22,7 +22,7 @@ expect("plan exit status ${rc}: ${err}" rc EQUAL 0)
 string(JSON params GET "${out}" model parameters)
 expect("parameters ${params}" params EQUAL 2567463684)
 string(JSON units GET "${out}" model units)
-expect("units ${units}" units EQUAL 9)
+expect("units ${units}" units EQUAL 93)
 string(JSON at_end GET "${out}" gpu_bytes total_at_step_end)
 math(EXPR at_end_mib "${at_end} / 1048576")
 # 70.79 GiB = 72489 MiB; within 10%.

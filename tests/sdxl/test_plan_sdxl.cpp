@@ -31,10 +31,11 @@ plan::PlanInput sdxl_trainer(int stage, int batch) {
   // units_in_place; the last test case checks that prediction.)
   options.buckets.bucket_buffers_on_one_rank = true;
   plan::PlanInput in;
+  // Measured with one unit per block (before per-layer units, 2026-12-05).
   in.engine = options;
   in.world_size = 1;
   sdxl::calibration::apply(in, 2567463684);
-  in.units = sdxl::plan_units(sdxl::UNetConfig::sdxl_base());
+  in.units = sdxl::plan_units(sdxl::UNetConfig::sdxl_base(), sdxl::UnitGranularity::blocks);
   in.model_name = "sdxl-base";
   in.activations = sdxl::plan_activations(sdxl::UNetConfig::sdxl_base(), 128);
   in.batch = batch;
@@ -177,7 +178,7 @@ TEST_CASE("plan: unet_bench (forward+backward only), predicted vs measured peak 
 }
 
 TEST_CASE("plan: the SDXL units from the config") {
-  const auto units = sdxl::count_unit_parameters(sdxl::UNetConfig::sdxl_base());
+  const auto units = sdxl::count_unit_parameters(sdxl::UNetConfig::sdxl_base(), sdxl::UnitGranularity::blocks);
   REQUIRE(units.size() == 9);
   CHECK(units[5].name == "up_blocks.0");
   CHECK(units[5].total() == 1206568960);  // the largest unit: the stage-2/3 buffers scale with it

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <numeric>
 #include <set>
 #include <sstream>
 
@@ -235,8 +237,13 @@ TEST_CASE("sdxl: parameter names and shapes equal diffusers' state dict, in orde
     names.push_back(unit.name);
     for (const auto& [name, tensor] : unit.parameters) ++seen[name];
   }
-  CHECK(names == std::vector<std::string>{"embed", "down_blocks.0", "down_blocks.1", "down_blocks.2", "mid_block",
-                                          "up_blocks.0", "up_blocks.1", "up_blocks.2", "head"});
+  REQUIRE(names.size() == 93);  // per layer (the default)
+  CHECK(std::vector<std::string>(names.begin(), names.begin() + 6) ==
+        std::vector<std::string>{"embed", "down_blocks.0.resnets.0", "down_blocks.0.resnets.1",
+                                 "down_blocks.0.downsamplers.0", "down_blocks.1.resnets.0",
+                                 "down_blocks.1.attentions.0.transformer_blocks.0"});
+  CHECK(names[names.size() - 2] == "up_blocks.2.resnets.2");
+  CHECK(names.back() == "head");
   CHECK(seen.size() == params.size());
   for (const auto& item : params) CHECK(seen[item.key()] == 1);
   CHECK(units.front().parameters.front().first == "conv_in.weight");
@@ -365,16 +372,28 @@ TEST_CASE("tiny: activation checkpointing gives the same gradients") {
   };
   const auto plain = run(false);
   const auto recomputed = run(true);
+  // The same weights recomputed block by block (the coarser units).
+  sdxl::UNet2DConditionModel by_block(
+      model->config(), sdxl::UNetBuildOptions{.initialize = false, .units = sdxl::UnitGranularity::blocks});
+  sdxl::load_unet_weights(*by_block, kTinyWeights);
+  by_block->to(torch::kFloat64);
+  std::swap(model, by_block);
+  const auto recomputed_by_block = run(true);
+  std::swap(model, by_block);
   REQUIRE(plain.size() == recomputed.size());
+  REQUIRE(plain.size() == recomputed_by_block.size());
   double global = 0;
   for (std::size_t i = 3; i < plain.size(); ++i) global = std::max(global, plain[i].abs().max().item<double>());
-  double worst = 0;
+  double worst = 0, worst_by_block = 0;
   for (std::size_t i = 0; i < plain.size(); ++i) {
     const double scale = std::max(plain[i].abs().max().item<double>(), 1e-6 * global);
     worst = std::max(worst, (plain[i] - recomputed[i]).abs().max().item<double>() / scale);
+    worst_by_block = std::max(worst_by_block, (plain[i] - recomputed_by_block[i]).abs().max().item<double>() / scale);
   }
-  MESSAGE("largest gradient difference with checkpointing (float64, relative): ", worst);
+  MESSAGE("largest gradient difference with checkpointing (float64, relative): per layer ", worst, ", per block ",
+          worst_by_block);
   CHECK(worst <= 1e-8);
+  CHECK(worst_by_block <= 1e-8);
 
   // Under no-grad the switch changes nothing.
   torch::NoGradGuard no_grad;
@@ -384,6 +403,43 @@ TEST_CASE("tiny: activation checkpointing gives the same gradients") {
   const Tensor b = model->forward(in.sample.to(torch::kFloat64), in.timestep, in.context.to(torch::kFloat64),
                                   in.text_embeds.to(torch::kFloat64), in.time_ids);
   CHECK(torch::equal(a, b));
+}
+
+TEST_CASE("tiny: each unit's computation uses only its own unit's parameters, in units() order") {
+  // What ZeRO stage 3 relies on: the runner gets unit i exactly when the
+  // body needs unit i's parameters (and no other's). Here every parameter is
+  // NaN except while its unit's body runs, as a gathered-then-freed unit.
+  const TinyInputs in = tiny_inputs();
+  torch::NoGradGuard no_grad;
+  for (auto granularity : {sdxl::UnitGranularity::layers, sdxl::UnitGranularity::blocks}) {
+    CAPTURE(sdxl::name_of(granularity));
+    sdxl::UNet2DConditionModel model(sdxl::load_unet(kTinyWeights)->config(),
+                                     sdxl::UNetBuildOptions{.initialize = false, .units = granularity});
+    sdxl::load_unet_weights(*model, kTinyWeights);
+    const Tensor expected = model->forward(in.sample, in.timestep, in.context, in.text_embeds, in.time_ids);
+    const std::vector<sdxl::ParameterUnit> units = model->units();
+    std::vector<std::vector<Tensor>> saved(units.size());
+    for (std::size_t u = 0; u < units.size(); ++u)
+      for (const auto& [name, p] : units[u].parameters) {
+        saved[u].push_back(p.clone());
+        p.fill_(std::numeric_limits<float>::quiet_NaN());
+      }
+    std::vector<std::size_t> order;
+    model->set_unit_runner([&](std::size_t unit, const torch::autograd::variable_list& inputs,
+                               const sdxl::UNet2DConditionModelImpl::UnitBody& body, bool) {
+      order.push_back(unit);
+      REQUIRE(unit < units.size());
+      for (std::size_t t = 0; t < units[unit].parameters.size(); ++t) units[unit].parameters[t].second.copy_(saved[unit][t]);
+      torch::autograd::variable_list out = body(inputs);
+      for (const auto& [name, p] : units[unit].parameters) p.fill_(std::numeric_limits<float>::quiet_NaN());
+      return out;
+    });
+    const Tensor out = model->forward(in.sample, in.timestep, in.context, in.text_embeds, in.time_ids);
+    std::vector<std::size_t> expected_order(units.size());
+    std::iota(expected_order.begin(), expected_order.end(), std::size_t{0});
+    CHECK(order == expected_order);
+    CHECK(torch::equal(out, expected));
+  }
 }
 
 TEST_CASE("checkpoint: frozen inputs still give parameter gradients") {

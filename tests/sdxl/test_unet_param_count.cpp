@@ -17,16 +17,18 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 namespace {
 
-void check_counts_equal_model(const sdxl::UNetConfig& config) {
+void check_counts_equal_model(const sdxl::UNetConfig& config, sdxl::UnitGranularity granularity) {
   sdxl::UNetBuildOptions options;
   options.tensor_options = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta);
   options.initialize = false;
+  options.units = granularity;
   sdxl::UNet2DConditionModel model(config, options);
   const std::vector<sdxl::ParameterUnit> units = model->units();
-  const std::vector<sdxl::UnitParameterCount> counted = sdxl::count_unit_parameters(config);
+  const std::vector<sdxl::UnitParameterCount> counted = sdxl::count_unit_parameters(config, granularity);
   REQUIRE(counted.size() == units.size());
   std::int64_t total = 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
@@ -42,6 +44,13 @@ void check_counts_equal_model(const sdxl::UNetConfig& config) {
     CHECK(counted[u].checkpointed == (units[u].name != "embed" && units[u].name != "head"));
   }
   CHECK(sdxl::count_parameters(config) == total);
+}
+
+void check_counts_equal_model(const sdxl::UNetConfig& config) {
+  for (auto granularity : {sdxl::UnitGranularity::layers, sdxl::UnitGranularity::blocks}) {
+    CAPTURE(granularity == sdxl::UnitGranularity::layers ? "layers" : "blocks");
+    check_counts_equal_model(config, granularity);
+  }
 }
 
 std::string read_text(const std::filesystem::path& path) {
@@ -80,9 +89,19 @@ TEST_CASE("param count: tiny variants (conv projections, no text-time, no mid bl
   check_counts_equal_model(three);
 }
 
-TEST_CASE("param count: the full SDXL UNet, 2,567,463,684 parameters in 9 units") {
+TEST_CASE("param count: the full SDXL UNet, 2,567,463,684 parameters in 93 layer units or 9 block units") {
   const auto config = sdxl::UNetConfig::sdxl_base();
   CHECK(sdxl::count_parameters(config) == 2567463684);
-  CHECK(sdxl::count_unit_parameters(config).size() == 9);
+  const auto layers = sdxl::count_unit_parameters(config, sdxl::UnitGranularity::layers);
+  CHECK(layers.size() == 93);
+  std::int64_t largest = 0;
+  std::string largest_name;
+  for (const auto& unit : layers)
+    if (unit.total() > largest) std::tie(largest, largest_name) = std::tuple(unit.total(), unit.name);
+  // An up-path resnet of 2560 input channels: what bounds stage 3's gathered
+  // units and gradient buckets (against 1,206,568,960 for up_blocks.0).
+  CHECK(largest_name == "up_blocks.0.resnets.0");
+  CHECK(largest == 49'164'800);
+  CHECK(sdxl::count_unit_parameters(config, sdxl::UnitGranularity::blocks).size() == 9);
   check_counts_equal_model(config);  // meta device: names and shapes only
 }

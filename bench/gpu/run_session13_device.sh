@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The session-13 H200 calls (2026-12-05): the UNet's ZeRO units per layer.
+#   PHASES="build tests calibrate" bash bench/gpu/run_session13_device.sh   (first call)
+#   PHASES="build caps" bash bench/gpu/run_session13_device.sh              (second call)
+#  build: the cuda preset (TARGETS: only these; default every target);
+#  tests: every gpu test (TESTS: a ctest regex instead);
+#  calibrate: sdxl-1024.toml (AdamW + EMA, checkpointing), stage 0, batch 1 and 8, per layer,
+#             and batch 8 per block as the control: the per-sample checkpointed activations
+#             of per-layer recompute, and what the finer units cost in speed;
+#  caps: the trainer's --fit 12GiB and 24GiB at global batch 8 and --fit 8GiB at batch 1
+#        (each caps the run at its size), sdxl-1024.toml.
+# Logs, JSON lines and summary.json under $OUT/s13.
+set -uo pipefail
+NAME=s13 DEFAULT_PHASES="build tests calibrate"
+source bench/gpu/device_env.sh
+if has build; then build_targets ${TARGETS:-}; fi
+if has tests; then run_gpu_tests "${TESTS:-all}"; fi
+source bench/gpu/trainer_run.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+if has calibrate; then
+  for batch in 1 8; do
+    run_trainer "sdxl-calib-stage0-b$batch-layers" 240 --stage 0 --batch_size "$batch" --units layers
+  done
+  run_trainer "sdxl-calib-stage0-b8-blocks" 240 --stage 0 --batch_size 8 --units blocks
+fi
+if has caps; then
+  run_trainer "sdxl-fit-12GiB-gb8" 300 --fit 12GiB --batch_size 8
+  run_trainer "sdxl-fit-24GiB-gb8" 300 --fit 24GiB --batch_size 8
+  run_trainer "sdxl-fit-8GiB-b1" 300 --fit 8GiB --batch_size 1
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+say "done"

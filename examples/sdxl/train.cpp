@@ -119,6 +119,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.offload.params = cfg.offload_params;
   options.shard_group_size = static_cast<int>(cfg.shard_group_size);
   options.offload.delayed_update = cfg.offload_delayed_update;
+  options.offload.accumulate_on_host = cfg.offload_accumulate_on_host;
   options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
   return options;
 }

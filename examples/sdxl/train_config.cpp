@@ -259,6 +259,10 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"zero", "offload_delayed_update", &c.offload_delayed_update,
        "with offload_optimizer: run the CPU update while the next step computes (ZeRO-Offload's delayed parameter "
        "update: each forward sees the parameters one update old; any accumulation, with or without offload_params)"},
+      {"zero", "offload_accumulate_on_host", &c.offload_accumulate_on_host,
+       "with offload_optimizer and accumulation: every micro-step's gradients stream to host memory and the CPU "
+       "adds them (the same bits), so no gradient shard stays on the GPU (its whole size on one GPU); costs a "
+       "pinned gradient shard on the host and a CPU pass per micro-step"},
       {"zero", "delayed_update_warmup", &c.delayed_update_warmup,
        "with offload_delayed_update: this many first steps update synchronously"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},
@@ -611,6 +615,12 @@ void TrainConfig::validate() const {
   ZERO_CHECK(!offload_delayed_update || offload_optimizer,
              "offload_delayed_update needs offload_optimizer = true (the delayed update is the CPU optimizer's), got "
              "offload_optimizer = false");
+  ZERO_CHECK(!offload_accumulate_on_host || offload_optimizer,
+             "offload_accumulate_on_host needs offload_optimizer = true (the host holds the optimizer's gradient "
+             "shard), got offload_optimizer = false");
+  ZERO_CHECK(!offload_accumulate_on_host || accumulation_mode == "each",
+             "offload_accumulate_on_host needs accumulation_mode = \"each\" (with \"boundary\" the micro-steps "
+             "accumulate on the GPU before the one reduction), got \"", accumulation_mode, "\"");
   ZERO_CHECK(delayed_update_warmup >= 0 && delayed_update_warmup <= std::numeric_limits<int>::max(),
              "delayed_update_warmup must be >= 0, got ", delayed_update_warmup);
   if (!max_gpu_memory.empty()) {

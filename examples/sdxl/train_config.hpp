@@ -82,6 +82,7 @@ struct TrainConfig {
   bool offload_params = false;         // stage 3 + offload_optimizer: parameter shards in pinned host memory
   bool offload_delayed_update = false; // offload: the CPU update overlaps the next step (parameters one step stale)
   std::int64_t delayed_update_warmup = 0;  // synchronous updates before the delay starts
+  bool offload_accumulate_on_host = false;  // offload + accumulation: the CPU adds the micro-steps' gradients
   // [output]
   std::string output_dir = "runs/sdxl";
   std::int64_t log_every = 1;

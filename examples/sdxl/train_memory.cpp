@@ -93,6 +93,8 @@ const std::vector<FitSetting>& fit_settings() {
        [](TrainConfig& t, const TrainConfig& f) { t.offload_params = f.offload_params; }},
       {"offload_delayed_update", [](const TrainConfig& c) { return yes_no(c.offload_delayed_update); },
        [](TrainConfig& t, const TrainConfig& f) { t.offload_delayed_update = f.offload_delayed_update; }},
+      {"offload_accumulate_on_host", [](const TrainConfig& c) { return yes_no(c.offload_accumulate_on_host); },
+       [](TrainConfig& t, const TrainConfig& f) { t.offload_accumulate_on_host = f.offload_accumulate_on_host; }},
       {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
        [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
   };
@@ -112,6 +114,7 @@ TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) 
   t.offload_optimizer = p.input.engine.offload.optimizer;
   t.offload_params = p.input.engine.offload.params;
   t.offload_delayed_update = p.input.engine.offload.delayed_update;
+  t.offload_accumulate_on_host = p.input.engine.offload.accumulate_on_host;
   t.activation_checkpointing = p.input.activation_checkpointing;
   return t;
 }

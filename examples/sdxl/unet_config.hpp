@@ -19,8 +19,8 @@ namespace sdxl {
 enum class UnitGranularity {
   /// One unit per ResNet block, per transformer layer (BasicTransformerBlock;
   /// a Transformer2DModel's first layer also holds its norm and proj_in, its
-  /// last one proj_out) and per resampler: 168 units for SDXL, the largest
-  /// 48 M parameters (FSDP's per-layer wrapping).
+  /// last one proj_out) and per resampler: 93 units for SDXL, the largest
+  /// (up_blocks.0.resnets.0) 49 M parameters (FSDP's per-layer wrapping).
   layers,
   /// One unit per down, mid and up block: 9 units for SDXL, the largest
   /// (up_blocks.0) 1.3 B parameters.

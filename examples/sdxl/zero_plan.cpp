@@ -97,8 +97,8 @@ struct Options {
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
-  bool ema = false, offload = false, offload_params = false, delayed_update = false, checkpointing = false,
-       json_output = false, fp32_accumulate = false, lower_bound = false;
+  bool ema = false, offload = false, offload_params = false, delayed_update = false, accumulate_on_host = false,
+       checkpointing = false, json_output = false, fp32_accumulate = false, lower_bound = false;
 };
 
 void define_options(CLI::App& app, Options& o) {
@@ -127,6 +127,9 @@ void define_options(CLI::App& app, Options& o) {
   app.add_flag("--delayed-update", o.delayed_update,
                "with --offload-optimizer: the CPU update overlaps the next step (parameters one update old; "
                "doubles the host staging)");
+  app.add_flag("--accumulate-on-host", o.accumulate_on_host,
+               "with --offload-optimizer and --accumulation: the CPU adds the micro-steps' gradients (no gradient "
+               "shard on the GPU; one more on the host)");
   app.add_option("--batch", o.batch, "samples per GPU and micro-step")
       ->capture_default_str()->check(CLI::Range(1, kMaxBatch));
   app.add_option("--accumulation", o.accumulation, "micro-steps per step")
@@ -203,6 +206,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.engine.offload.optimizer = o.offload;
   in.engine.offload.params = o.offload_params;
   in.engine.offload.delayed_update = o.delayed_update;
+  in.engine.offload.accumulate_on_host = o.accumulate_on_host;
   in.engine.accumulation_steps = o.accumulation;
   in.engine.accumulation = o.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                              : zero::GradAccumulation::reduce_each_micro_step;

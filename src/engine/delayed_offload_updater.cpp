@@ -6,11 +6,11 @@
 //
 // What the background update reads and writes is never what the device
 // touches meanwhile:
-//   - gradients: with one micro-step, two host shards: backward streams into
-//     one while the update reads the other. With several, the reduced
-//     gradients accumulate on the device; start() queues their download into
-//     the one host shard (the last update was joined before), and the update
-//     waits for each bucket's copy to land.
+//   - gradients: with one micro-step (or accumulating on the host), two host
+//     shards: backward streams into one while the update reads the other.
+//     With several micro-steps accumulated on the device, start() queues
+//     their download into the one host shard (the last update was joined
+//     before), and the update waits for each bucket's copy to land.
 //   - parameters: two staging copies (the update writes one while the other
 //     may still be going up) or, with offload_params, two host parameter
 //     shards: the gathers read Impl::param_shard, the update writes the

@@ -101,6 +101,11 @@ struct Engine::Impl {
     std::byte* scratch = nullptr;  // null when the slice was reduced in place (stage 1)
     std::size_t bytes = 0;
     Event copied = nullptr;
+    // Accumulating on the host after the first micro-step: the slice landed
+    // in staging, to be added into the host gradient shard once it has.
+    std::byte* add_to = nullptr;
+    const std::byte* add_from = nullptr;
+    std::size_t add_count = 0;
   };
   std::vector<char> param_ready;
   std::vector<std::size_t> bucket_ready_count;
@@ -108,6 +113,9 @@ struct Engine::Impl {
   std::vector<std::byte*> bucket_buffer;   // transient per-bucket gradient buffers
   std::deque<Pending> pending;
   std::deque<Download> downloads;
+  // plan.accumulates_on_host: a micro-step after this step's first, whose
+  // downloads are added on the host rather than copied over.
+  bool downloads_add = false;
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);

@@ -47,7 +47,10 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   // second (one micro-step; with several, they go down after the join into
   // the one), and writes one parameter copy while the other goes up or, with
   // offloaded parameters, a second host parameter shard while the gathers read the first.
-  const std::size_t grad_shards = plan.delayed_update && plan.streams_grads_to_host ? 2 : 1;
+  // Accumulating on the host, the micro-steps after the first land in a
+  // staging shard that the CPU adds from.
+  const std::size_t grad_shards =
+      (plan.delayed_update && plan.streams_grads_to_host ? 2 : 1) + (plan.accumulates_on_host ? 1 : 0);
   const std::size_t param_copies = (plan.params_on_host ? 0 : 1) + (plan.delayed_update ? 1 : 0);
   h.buffers = shard * (grad_shards * plan.grad_bytes() + param_copies * plan.param_bytes());
   return h;

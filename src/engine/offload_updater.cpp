@@ -19,6 +19,7 @@ OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
   const std::size_t shard = m_.layout.shard_numel();
   grad_host_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
   if (!m_.plan.params_on_host) copy_host_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  if (m_.plan.accumulates_on_host) grad_staging_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
 }
 
 OffloadUpdater::~OffloadUpdater() {
@@ -26,6 +27,7 @@ OffloadUpdater::~OffloadUpdater() {
   const std::size_t shard = m_.layout.shard_numel();
   m_.pool.free_host(grad_host_, shard * m_.g_size);
   m_.pool.free_host(copy_host_, shard * m_.p_size);
+  m_.pool.free_host(grad_staging_, shard * m_.g_size);
 }
 
 void OffloadUpdater::initialize_ema() {

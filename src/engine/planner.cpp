@@ -246,6 +246,13 @@ double Plan::seconds_per_step() const {
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
     if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
+    // Accumulating on the host: every micro-step after the first goes down
+    // too and the driving thread adds it (neither counted as hidden).
+    if (input.engine.offload.accumulate_on_host && input.engine.accumulation_steps > 1) {
+      const double g = static_cast<double>(size_of(input.engine.effective_grad_dtype()));
+      gathers += (input.engine.accumulation_steps - 1) *
+                 (shard * ranks_per_host / s.cpu_add_elements_per_second + shard * g / s.pcie_bytes_per_second);
+    }
   }
   // A delayed update runs beside the next step's device work (the gathers'
   // uploads included, which it does not hide): the slower counts.
@@ -272,6 +279,7 @@ std::string Plan::trainer_options() const {
   return "stage = " + std::to_string(input.engine.stage) + ", offload_optimizer = " +
          flag(input.engine.offload.optimizer) + ", offload_params = " + flag(input.engine.offload.params) +
          ", offload_delayed_update = " + flag(input.engine.offload.delayed_update) +
+         (input.engine.offload.accumulate_on_host ? ", offload_accumulate_on_host = true" : "") +
          ", activation_checkpointing = " + flag(input.activation_checkpointing) +
          ", batch_size = " + std::to_string(input.batch) +
          ", accumulation = " + std::to_string(input.engine.accumulation_steps);
@@ -281,6 +289,7 @@ std::string Plan::label() const {
   std::string text = "stage " + std::to_string(input.engine.stage);
   if (input.engine.offload.optimizer) text += input.engine.offload.params ? ", offload (optimizer + params)" : ", offload";
   if (input.engine.offload.delayed_update) text += ", delayed update";
+  if (input.engine.offload.accumulate_on_host && input.engine.accumulation_steps > 1) text += ", host accumulation";
   text += input.activation_checkpointing ? ", checkpointing" : ", no checkpointing";
   text += ", batch " + std::to_string(input.batch);
   if (input.engine.accumulation_steps > 1) text += " x " + std::to_string(input.engine.accumulation_steps);
@@ -331,6 +340,7 @@ json plan_json(const Plan& p) {
                  {"offload_optimizer", in.engine.offload.optimizer},
                  {"offload_params", in.engine.offload.params},
                  {"offload_delayed_update", in.engine.offload.delayed_update},
+                 {"offload_accumulate_on_host", in.engine.offload.accumulate_on_host},
                  {"accumulation_steps", in.engine.accumulation_steps},
                  {"accumulation", in.engine.accumulation == GradAccumulation::reduce_at_boundary ? "boundary" : "each"},
                  {"max_reductions_in_flight", in.engine.buckets.max_reductions_in_flight},
@@ -436,44 +446,54 @@ std::vector<std::pair<int, int>> batches_of(const PlanInput& base, const FitOpti
   return out;
 }
 
+struct Offload {
+  bool optimizer, params;
+};
+
+/// One configuration the search tries, planned and checked against the limit.
+FitResult::Candidate candidate(PlanInput in, const FitOptions& options, std::size_t limit) {
+  FitResult::Candidate c{make_plan(in), false, ""};
+  const std::size_t need = peak_of(c.plan, options);
+  c.fits = need <= limit;
+  if (!c.fits) c.why_not = "needs " + format_bytes(need) + " of " + format_bytes(limit) + " usable";
+  if (c.fits && options.host_bytes > 0 && c.plan.host_per_host() > options.host_bytes) {
+    c.fits = false;
+    c.why_not = "host needs " + format_bytes(c.plan.host_per_host()) + " of " + format_bytes(options.host_bytes);
+  }
+  return c;
+}
+
 std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   std::vector<FitResult::Candidate> out;
   const std::size_t limit = usable(gpu_bytes, options);
-  struct Offload {
-    bool optimizer, params;
-  };
+  // The delayed update needs offload_optimizer (any accumulation, with or
+  // without offload_params); host accumulation needs offload_optimizer and
+  // several micro-steps, each reduced. With a global batch both are
+  // searched; without one the base's choice is kept where it is allowed.
+  const bool searched = options.global_batch > 0;
   for (const auto& [micro, accumulation] : batches_of(base, options))
     for (int stage = 0; stage <= 3; ++stage)
-      for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}})
+      for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}}) {
+        if ((offload.optimizer && stage == 0) || (offload.params && stage != 3)) continue;
+        const bool host_allowed = offload.optimizer && accumulation > 1 &&
+                                  base.engine.accumulation == GradAccumulation::reduce_each_micro_step;
         for (bool checkpointing : {false, true})
-          for (bool delayed : {false, true}) {
-            if (offload.optimizer && stage == 0) continue;
-            if (offload.params && stage != 3) continue;
-            // The engine runs the delayed update with offload_optimizer (any
-            // accumulation, with or without offload_params). Without a
-            // global batch the base's choice is kept where it is allowed.
-            const bool allowed = offload.optimizer;
-            const bool wanted = options.global_batch > 0 ? delayed : base.engine.offload.delayed_update;
-            if (delayed != (wanted && allowed)) continue;
-            PlanInput in = base;
-            in.batch = micro;
-            in.engine.accumulation_steps = accumulation;
-            in.engine.stage = stage;
-            in.engine.offload.optimizer = offload.optimizer;
-            in.engine.offload.params = offload.params;
-            in.engine.offload.delayed_update = delayed;
-            in.activation_checkpointing = checkpointing;
-            FitResult::Candidate c{make_plan(in), false, ""};
-            const std::size_t need = peak_of(c.plan, options);
-            c.fits = need <= limit;
-            if (!c.fits) c.why_not = "needs " + format_bytes(need) + " of " + format_bytes(limit) + " usable";
-            if (c.fits && options.host_bytes > 0 && c.plan.host_per_host() > options.host_bytes) {
-              c.fits = false;
-              c.why_not =
-                  "host needs " + format_bytes(c.plan.host_per_host()) + " of " + format_bytes(options.host_bytes);
+          for (bool delayed : {false, true})
+            for (bool on_host : {false, true}) {
+              if (delayed != ((searched ? delayed : base.engine.offload.delayed_update) && offload.optimizer)) continue;
+              if (on_host != ((searched ? on_host : base.engine.offload.accumulate_on_host) && host_allowed)) continue;
+              PlanInput in = base;
+              in.batch = micro;
+              in.engine.accumulation_steps = accumulation;
+              in.engine.stage = stage;
+              in.engine.offload.optimizer = offload.optimizer;
+              in.engine.offload.params = offload.params;
+              in.engine.offload.delayed_update = delayed;
+              in.engine.offload.accumulate_on_host = on_host;
+              in.activation_checkpointing = checkpointing;
+              out.push_back(candidate(std::move(in), options, limit));
             }
-            out.push_back(std::move(c));
-          }
+      }
   // Most images per second first (at one batch: least time per sample);
   // equal speed: less memory first.
   std::stable_sort(out.begin(), out.end(), [](const FitResult::Candidate& a, const FitResult::Candidate& b) {
@@ -596,6 +616,7 @@ std::string FitResult::to_json(int indent) const {
                     {"batch", c.plan.input.batch},
                     {"accumulation_steps", c.plan.input.engine.accumulation_steps},
                     {"offload_delayed_update", c.plan.input.engine.offload.delayed_update},
+                    {"offload_accumulate_on_host", c.plan.input.engine.offload.accumulate_on_host},
                     {"images_per_second", c.plan.images_per_second()},
                     {"trainer_options", c.plan.trainer_options()},
                     {"fits", c.fits},

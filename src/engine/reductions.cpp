@@ -2,7 +2,9 @@
 // reduce-scattered (averaged over ranks) on the comm stream into where the
 // StagePlan says reduced gradients live: in place in the full buffer, into
 // the sharded accumulator (through scratch after the first micro-step), or
-// into scratch that is copied down to the host (streamed offload).
+// into scratch that is copied down to the host (streamed offload; with
+// accumulation on the host, the micro-steps after the first into staging,
+// which the CPU adds into the host gradient shard once the copy has landed).
 #include "engine_impl.hpp"
 
 namespace zero {
@@ -60,14 +62,21 @@ void Engine::Impl::complete(Pending& entry) {
     const void* reduced = entry.scratch;
     if (!entry.scratch && plan.reduces_in_place()) {
       reduced = reduced_grad(entry.bucket);
+    } else if (!entry.scratch && plan.full_grads) {  // one rank, stage 1: the slice of the full buffer
+      reduced = grads_full + bucket.offset * g_size;
     } else if (!entry.scratch) {  // one rank: the bucket buffer itself
       d.scratch = bucket_buffer[entry.bucket];
       d.bytes = bucket.padded * g_size;
       bucket_buffer[entry.bucket] = nullptr;
       reduced = d.scratch;
     }
-    backend.copy(updater->host_gradients() + bucket.shard_offset * g_size, reduced, bucket.shard_size * g_size,
-                 backend.comm_stream());
+    std::byte* host = updater->host_gradients() + bucket.shard_offset * g_size;
+    if (downloads_add) {
+      d.add_to = host;
+      d.add_from = host = updater->host_gradient_staging() + bucket.shard_offset * g_size;
+      d.add_count = bucket.shard_size;
+    }
+    backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     d.copied = backend.record_event(backend.comm_stream());
     downloads.push_back(d);
     entry.scratch = nullptr;
@@ -90,6 +99,7 @@ void Engine::Impl::retire_download() {
   backend.wait_event(d.copied);
   backend.release_event(d.copied);
   if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
+  if (d.add_to) backend.host_accumulate(d.add_to, d.add_from, gdt, d.add_count);
 }
 
 void Engine::Impl::complete_all() {
@@ -113,6 +123,7 @@ void Engine::Impl::reset_gradients() {
     backend.fill_zero(grad_shard, layout.shard_numel() * g_size, backend.comm_stream());
   }
   std::fill(accumulator_has_data.begin(), accumulator_has_data.end(), 0);
+  downloads_add = false;  // the next step's first micro-step copies over the host shard
 }
 
 // ---------------------------------------------------------------- Engine: gradients
@@ -175,6 +186,7 @@ void Engine::finish_micro_step() {
   std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
   std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);
   ++micro_step_;
+  m.downloads_add = m.plan.accumulates_on_host;  // reset by step()
 }
 
 }  // namespace zero

@@ -39,6 +39,13 @@ void EngineOptions::validate() const {
   ZERO_CHECK(!offload.delayed_update || offload.optimizer,
              "EngineOptions.offload: offload_delayed_update needs offload_optimizer (the delayed update is the "
              "CPU optimizer's), got stage ", stage, " without offload_optimizer");
+  ZERO_CHECK(!offload.accumulate_on_host || offload.optimizer,
+             "EngineOptions.offload: offload_accumulate_on_host needs offload_optimizer (the host holds the "
+             "optimizer's gradient shard), got stage ", stage, " without offload_optimizer");
+  ZERO_CHECK(!offload.accumulate_on_host || accumulation != GradAccumulation::reduce_at_boundary,
+             "EngineOptions.offload: offload_accumulate_on_host adds each micro-step's reduced gradients on the "
+             "host; with accumulation_mode boundary the micro-steps accumulate on the device before the one "
+             "reduction (use accumulation_mode each)");
   ZERO_CHECK(offload.delayed_update_warmup_steps >= 0,
              "EngineOptions.offload.delayed_update_warmup_steps must be >= 0, got ",
              offload.delayed_update_warmup_steps);
@@ -97,7 +104,10 @@ StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
   p.full_grads = o.stage <= 1 || identity_reduction || (at_boundary && multi);
   p.shard_accumulator = (o.stage >= 2 && !identity_reduction) || (!at_boundary && multi);
   p.reduce_only_at_boundary = at_boundary && multi;
-  p.streams_grads_to_host = o.offload.optimizer && !multi;
+  // With several micro-steps the reduced gradients accumulate in a device
+  // shard and go down at the step, unless the host accumulates them.
+  p.streams_grads_to_host = o.offload.optimizer && (!multi || o.offload.accumulate_on_host);
+  p.accumulates_on_host = p.streams_grads_to_host && multi;
 
   p.optimizer_full = o.stage == 0;
   p.optimizer_on_host = o.offload.optimizer;

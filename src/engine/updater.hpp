@@ -53,6 +53,9 @@ class Updater {
   virtual void settle_for_reading() { settle(); }
   /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
   virtual std::byte* host_gradients() { return nullptr; }
+  /// Where the micro-steps after the first land before the CPU adds them
+  /// into host_gradients() (plan.accumulates_on_host), null otherwise.
+  virtual std::byte* host_gradient_staging() { return nullptr; }
   /// The model-dtype parameters recomputed from the master weights (after a
   /// restore): this rank's slices, not yet gathered.
   virtual void parameters_from_master() = 0;

@@ -32,6 +32,7 @@ class OffloadUpdater : public Updater {
   void apply(const UpdateArgs& args, StepResult& result) override;
   void settle() override { join_ema(); }
   std::byte* host_gradients() override { return grad_host_; }
+  std::byte* host_gradient_staging() override { return grad_staging_; }
   void parameters_from_master() override;
 
  protected:
@@ -61,6 +62,7 @@ class OffloadUpdater : public Updater {
   Engine::Impl& m_;
   std::byte* grad_host_ = nullptr;  // the reduced gradient shard, copied down
   std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
+  std::byte* grad_staging_ = nullptr;  // plan.accumulates_on_host: later micro-steps' slices, added into grad_host_
   std::thread ema_thread_;
   std::exception_ptr ema_error_;
 };

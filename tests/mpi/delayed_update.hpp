@@ -15,13 +15,16 @@
 namespace zero::testing {
 
 /// One configuration of the delayed update: where the gradients come from
-/// (streamed with one micro-step, or accumulated on the device and sent down
-/// at step()) and where the parameters live (offload_params: two host shards).
+/// (streamed with one micro-step, accumulated on the device and sent down at
+/// step(), or streamed every micro-step and added on the host) and where the
+/// parameters live (offload_params: two host shards).
 struct DelayedCase {
   int stage = 1;
   bool offload_params = false;
   int accumulation = 1;
   GradAccumulation mode = GradAccumulation::reduce_each_micro_step;
+  bool accumulate_on_host = false;
+  bool streams_grads() const { return accumulation == 1 || accumulate_on_host; }
 };
 
 inline std::vector<DelayedCase> delayed_cases() {
@@ -34,6 +37,9 @@ inline std::vector<DelayedCase> delayed_cases() {
       // Stage 3 with the parameters in host memory: the update writes the
       // shard the gathers do not read.
       {3, true, 1, each}, {3, true, 3, each},
+      // Several micro-steps streamed and added on the host: backward of the
+      // next step streams into the shard the running update does not read.
+      {1, false, 2, each, true}, {2, false, 3, each, true}, {3, true, 3, each, true},
   };
 }
 
@@ -51,6 +57,7 @@ inline EngineOptions delayed_options(const DelayedCase& c, DType dtype) {
   o.ema.decay = 0.9;
   o.offload.optimizer = true;
   o.offload.params = c.offload_params;
+  o.offload.accumulate_on_host = c.accumulate_on_host;
   return o;
 }
 
@@ -72,6 +79,7 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         CAPTURE(c.offload_params);
         CAPTURE(c.accumulation);
         CAPTURE(static_cast<int>(c.mode));
+        CAPTURE(c.accumulate_on_host);
         CAPTURE(warmup);
         EngineOptions o = delayed_options(c, dtype);
         Engine sync(mlp_units(), o, comm, backend);
@@ -108,12 +116,12 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         (void)delayed.gather_model_params();
         CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
         // One more gradient shard where backward streams into one (one
-        // micro-step), and one more parameter copy: a staging copy, or with
-        // offload_params a second host parameter shard.
+        // micro-step, or accumulating on the host), and one more parameter
+        // copy: a staging copy, or with offload_params a second host parameter shard.
         const std::size_t shard = delayed.layout().shard_numel();
         const std::size_t grad_shard = shard * size_of(o.effective_grad_dtype());
         CHECK(delayed.host_memory().buffers == sync.host_memory().buffers + shard * size_of(dtype) +
-                                                   (c.accumulation == 1 ? grad_shard : 0));
+                                                   (c.streams_grads() ? grad_shard : 0));
         CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
       }
 }
@@ -130,11 +138,16 @@ inline void check_delayed_update_resume(Communicator& comm, Backend& backend) {
                             ("zero-test-delayed" + std::to_string(static_cast<long>(pid)) + "-rank" +
                              std::to_string(comm.rank()) + ".safetensors"))
                                .string();
-  const DelayedCase cases[] = {{2, false, 1}, {2, false, 3}, {3, true, 1}, {3, true, 2}};
+  const DelayedCase cases[] = {{2, false, 1},
+                               {2, false, 3},
+                               {3, true, 1},
+                               {3, true, 2},
+                               {3, true, 2, GradAccumulation::reduce_each_micro_step, /*accumulate_on_host=*/true}};
   for (const DelayedCase& c : cases) {
     CAPTURE(c.stage);
     CAPTURE(c.offload_params);
     CAPTURE(c.accumulation);
+    CAPTURE(c.accumulate_on_host);
     EngineOptions o = delayed_options(c, DType::bf16);
     o.offload.delayed_update = true;
     o.offload.delayed_update_warmup_steps = 1;

@@ -103,6 +103,7 @@ struct Config {
   double max_grad_norm = 0;
   bool offload = false;  // EngineOptions::offload_optimizer
   bool offload_params = false;  // EngineOptions::offload_params (stage 3)
+  bool accumulate_on_host = false;  // EngineOptions::offload.accumulate_on_host
   double ema_decay = 0;
   /// Parameter groups (EngineOptions::param_groups) and each parameter's
   /// group, in mlp_units() order; empty: one group.
@@ -141,6 +142,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.buckets.alignment_elements = 4;
   o.offload.optimizer = c.offload;
   o.offload.params = c.offload_params;
+  o.offload.accumulate_on_host = c.accumulate_on_host;
   o.ema.decay = c.ema_decay;
   o.param_groups = c.groups;
   o.shard_group_size = c.shard_group_size;

@@ -197,12 +197,55 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       Config offloaded = c;
       offloaded.offload = true;
       check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
+      // Several micro-steps each reduced: also added on the host instead of
+      // on the device (the same fp32 add and rounding).
+      const bool host_accumulation = c.accumulation > 1 && c.mode == GradAccumulation::reduce_each_micro_step;
+      if (host_accumulation) {
+        Config on_host = offloaded;
+        on_host.accumulate_on_host = true;
+        check_bitwise_same_training(train_sharded(on_host, stage, comm, *backend), on_device);
+      }
       if (stage == 3) {  // and the parameter shard in host memory as well
         offloaded.offload_params = true;
         check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
+        if (host_accumulation) {
+          offloaded.accumulate_on_host = true;
+          check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
+        }
       }
     }
   }
+}
+
+TEST_CASE("accumulating offloaded gradients on the host leaves no gradient shard on the device") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  for (int stage = 1; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    Config c;
+    c.accumulation = 3;
+    c.offload = true;
+    Engine on_device(mlp_units(), engine_options(c, stage), comm, *backend);
+    c.accumulate_on_host = true;
+    Engine on_host(mlp_units(), engine_options(c, stage), comm, *backend);
+    CHECK(on_device.plan().grad_shard_on_device());
+    CHECK_FALSE(on_host.plan().grad_shard_on_device());
+    CHECK(on_host.plan().accumulates_on_host);
+    const std::size_t grad_shard = on_host.layout().shard_numel() * size_of(DType::fp32);
+    CHECK(on_host.memory().grads + grad_shard == on_device.memory().grads);
+    CHECK(on_host.host_memory().buffers == on_device.host_memory().buffers + grad_shard);  // the staging shard
+    CHECK(on_host.host_memory().total() == on_host.predicted_host_state().total());
+    CHECK(on_host.memory().grads == on_host.predicted_model_state().grads);
+  }
+  Config c;
+  c.accumulation = 2;
+  c.accumulate_on_host = true;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, *backend),
+                       doctest::Contains("offload_accumulate_on_host needs offload_optimizer"), InvalidArgument);
+  c.offload = true;
+  c.mode = GradAccumulation::reduce_at_boundary;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, *backend),
+                       doctest::Contains("use accumulation_mode each"), InvalidArgument);
 }
 
 TEST_CASE("offload_params below stage 3 or without the optimizer offloaded is refused") {

@@ -38,6 +38,7 @@ zero::EngineOptions engine_options_of(const sdxl::TrainConfig& c) {
   o.ema.decay = c.ema_decay;
   o.offload.optimizer = c.offload_optimizer;
   o.offload.params = c.offload_params;
+  o.offload.accumulate_on_host = c.offload_accumulate_on_host;
   o.accumulation_steps = static_cast<int>(c.accumulation);
   return o;
 }
@@ -113,7 +114,8 @@ sdxl::TrainConfig fit_run() {
 std::string options_of(const sdxl::TrainConfig& c) {
   return "stage = " + std::to_string(c.stage) + ", offload_optimizer = " + (c.offload_optimizer ? "true" : "false") +
          ", offload_params = " + (c.offload_params ? "true" : "false") + ", offload_delayed_update = " +
-         (c.offload_delayed_update ? "true" : "false") + ", activation_checkpointing = " +
+         (c.offload_delayed_update ? "true" : "false") +
+         (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") + ", activation_checkpointing = " +
          (c.activation_checkpointing ? "true" : "false") + ", batch_size = " + std::to_string(c.batch_size) +
          ", accumulation = " + std::to_string(c.accumulation);
 }
@@ -192,12 +194,13 @@ TEST_CASE("fit: candidates the configuration refuses are passed over (cuda_graph
 }
 
 TEST_CASE("fit: when every fitting candidate changes a pinned option, the refusal says so") {
-  sdxl::TrainConfig c = fit_run();  // at 24 GiB only stage 3 with everything offloaded fits
-  c.command_line_keys = {"stage"};
+  sdxl::TrainConfig c = fit_run();  // at 24 GiB only offloaded configurations fit
+  c.command_line_keys = {"offload_optimizer"};  // given as false
   CHECK_THROWS_WITH_AS(sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1),
                        doctest::Contains("but each changes an option given on the command line or is refused by the "
-                                         "configuration; the fastest: stage = 3"),
+                                         "configuration; the fastest: stage = 1, offload_optimizer = true"),
                        zero::OutOfMemory);
+  CHECK_FALSE(c.offload_optimizer);
   CHECK(c.stage == 2);
 }
 

@@ -89,6 +89,10 @@ class Backend {
                                    const ShardUpdate& update) {
     cpu_optimizer_step(options, scalars, update, CpuKernel::vectorized);
   }
+  /// dst += src (the device's accumulate, on host memory).
+  virtual void host_accumulate(void* dst, const void* src, DType dtype, std::size_t count) {
+    cpu_accumulate(dst, src, dtype, count);
+  }
   virtual void host_ema_update(float* ema, const float* weights, std::size_t count, double decay) {
     cpu_ema_update(ema, weights, count, decay);
   }

@@ -46,6 +46,7 @@ class CountingBackend final : public Backend {
   void host_copy(void*, const void*, std::size_t) override {}
   GradStats host_grad_stats(const void*, std::size_t, DType) override { return {}; }
   void host_optimizer_step(const OptimizerOptions&, const StepScalars&, const ShardUpdate&) override {}
+  void host_accumulate(void*, const void*, DType, std::size_t) override {}
   void host_ema_update(float*, const float*, std::size_t, double) override {}
   void host_convert(const void*, DType, void*, DType, std::size_t) override {}
 

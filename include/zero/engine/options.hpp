@@ -92,6 +92,13 @@ struct OffloadOptions {
   /// With delayed_update: the first this-many applied steps update
   /// synchronously, as without delay (the ZeRO-Offload paper's warm-up).
   int delayed_update_warmup_steps = 0;
+  /// With several micro-steps (reduced each micro-step): every micro-step's
+  /// reduced slices stream to host memory as with one micro-step, and the
+  /// CPU adds them into the host gradient shard (the same fp32 add and
+  /// rounding as the device's accumulation: the same bits), so no gradient
+  /// shard stays on the device (its whole size at N = 1). Costs one more
+  /// pinned gradient shard on the host and a CPU pass per micro-step.
+  bool accumulate_on_host = false;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

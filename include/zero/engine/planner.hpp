@@ -102,6 +102,9 @@ struct SpeedModel {
   double reference_param_count = 0.0;
   double cpu_elements_per_second = 3e9;  // CPU AdamW (+ EMA) per host, offload
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
+  /// offload.accumulate_on_host: the CPU's gradient additions per host
+  /// (dst += src in the gradient dtype), on the thread that drives the GPU.
+  double cpu_add_elements_per_second = 15e9;
 };
 
 struct PlanInput {
@@ -116,7 +119,8 @@ struct PlanInput {
   /// The engine exactly as it will run (stage, dtypes, optimizer, EMA,
   /// offload, accumulation, buckets). fit() varies stage, offload and
   /// checkpointing; with a global batch it also searches the micro-batch,
-  /// accumulation and the delayed update.
+  /// accumulation, the delayed update and, with accumulation, where the
+  /// offloaded gradients accumulate (device or host).
   EngineOptions engine{};
   /// NcclCommunicator with HalfReduction::fp32_accumulate: fp32 scratch for
   /// the largest bucket.

@@ -51,9 +51,13 @@ struct StagePlan {
   bool shard_accumulator = false;
   /// Several micro-steps accumulated locally and reduced once, at the last.
   bool reduce_only_at_boundary = false;
-  /// Offload with one micro-step: each bucket's reduced slice is copied to
-  /// host memory as its reduction completes; no gradient shard on the device.
+  /// Offload with one micro-step (or offload.accumulate_on_host): each
+  /// bucket's reduced slice is copied to host memory as its reduction
+  /// completes; no gradient shard on the device.
   bool streams_grads_to_host = false;
+  /// Streamed over several micro-steps: after the first, each slice lands in
+  /// a host staging shard and the CPU adds it into the host gradient shard.
+  bool accumulates_on_host = false;
 
   // ---- optimizer
   /// Stage 0: every rank updates every element, after gathering every reduced slice.

@@ -171,16 +171,27 @@ Resumed maybe_resume(const TrainConfig& c, const data::EpochSchedule& schedule, 
   const int old_world = manifest.world_size;
   const fs::path shard = dir / zero::io::rank_file_name(std::min(own, old_world - 1));
   check_same_freeze(c, model.engine(), shard, manifest);
-  if (old_world == now) {
+  // Every rank asks about the same file (rank 0's), so all take the same path.
+  const bool same_placement =
+      old_world == now && model.engine().saved_layout_matches((dir / zero::io::rank_file_name(0)).string());
+  if (same_placement) {
     model.engine().load_state((dir / zero::io::rank_file_name(own)).string());
   } else {
-    // Another number of ranks: every rank reads its new slices from the old shards.
+    // Another number of ranks, or the parameters grouped into other units (or
+    // listed in another order): every rank reads its new slices from the old
+    // shards, parameters matched by name. checked_manifest verified only this
+    // rank's file at the same world size: the others are read now too.
+    if (old_world == now)
+      for (std::size_t r = 0; r < manifest.files.size(); ++r)
+        if (r != static_cast<std::size_t>(own)) zero::io::verify_checkpoint_file(dir, manifest, r);
     std::vector<std::string> files;
     for (int r = 0; r < old_world; ++r) files.push_back((dir / zero::io::rank_file_name(r)).string());
     model.engine().load_state_resharded(files);
-    if (comm.rank() == 0)
+    if (comm.rank() == 0 && old_world != now)
       std::printf("resharded the checkpoint from %d to %d ranks per shard group (keep the global batch: "
                   "batch_size x ranks)\n", old_world, now);
+    else if (comm.rank() == 0)
+      std::printf("regrouped the checkpoint's parameters into this run's units\n");
   }
   Resumed r;
   r.step = manifest.step;

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "../io/json_reader.hpp"
 #include "engine_impl.hpp"
@@ -200,43 +201,29 @@ namespace {
 constexpr const char* kShardFormat = "zero.engine.shard";
 constexpr int kShardVersion = 1;
 
+nlohmann::json param_json(const ParamSpec& p) {
+  nlohmann::json entry = {{"name", p.name}, {"numel", p.numel}};
+  // The shape, where the model gave one, lets a consolidated file carry real
+  // tensor shapes. Files from before it have name and numel only.
+  if (!p.shape.empty()) entry["shape"] = p.shape;
+  // The parameter group, where not 0 (files from before groups have none).
+  if (p.group != 0) entry["group"] = p.group;
+  return entry;
+}
+
 nlohmann::json layout_json(const FlatLayout& layout) {
   nlohmann::json params = nlohmann::json::array(), groups = nlohmann::json::array();
-  for (const ParamSpec& p : layout.params()) {
-    nlohmann::json entry = {{"name", p.name}, {"numel", p.numel}};
-    // The shape, where the model gave one, lets a consolidated file carry real
-    // tensor shapes. Files from before it have name and numel only.
-    if (!p.shape.empty()) entry["shape"] = p.shape;
-    // The parameter group, where not 0 (files from before groups have none).
-    if (p.group != 0) entry["group"] = p.group;
-    params.push_back(std::move(entry));
-  }
+  for (const ParamSpec& p : layout.params()) params.push_back(param_json(p));
   for (const Bucket& b : layout.buckets()) groups.push_back(b.param_count);
   return {{"world_size", layout.world_size()}, {"alignment", layout.alignment()},
           {"padded_numel", layout.padded_numel()}, {"params", params}, {"bucket_param_counts", groups}};
 }
 
-nlohmann::json frozen_json_of(const FlatLayout& frozen) {
-  return frozen.buckets().empty() ? nlohmann::json() : layout_json(frozen);
-}
-
-// The placement `now`'s parameters had at another world size and alignment
-// (same units; empty ones kept).
-FlatLayout rebuilt_at(const FlatLayout& now, int world_size, std::size_t alignment) {
-  std::vector<std::vector<ParamSpec>> groups;
-  std::size_t next = 0;
-  for (const Bucket& b : now.buckets()) {
-    groups.emplace_back(now.params().begin() + static_cast<std::ptrdiff_t>(next),
-                        now.params().begin() + static_cast<std::ptrdiff_t>(next + b.param_count));
-    next += b.param_count;
-  }
-  return FlatLayout::build_grouped(groups, {.world_size = world_size, .alignment = alignment}, true);
-}
-
 // Rank's shard of `now`, filled from the old ranks' shards (`sources`, in
-// rank order) of the same parameters placed as `old`.
-std::vector<float> reshard(const FlatLayout& now, const FlatLayout& old, int rank,
-                           const std::vector<const float*>& sources) {
+// rank order) of the same parameters placed as `old`, in any units and order:
+// parameter p of `now` is parameter old_index[p] of `old`. Padding is zero.
+std::vector<float> reshard(const FlatLayout& now, const FlatLayout& old, const std::vector<std::size_t>& old_index,
+                           int rank, const std::vector<const float*>& sources) {
   std::vector<float> out(now.shard_numel(), 0.0f);
   for (std::size_t b = 0; b < now.buckets().size(); ++b) {
     const Bucket& nb = now.buckets()[b];
@@ -248,7 +235,7 @@ std::vector<float> reshard(const FlatLayout& now, const FlatLayout& old, int ran
       // Elements [a, c) of the new full buffer, i.e. [a - ns.offset, c - ns.offset) of parameter p,
       // from whichever old shards hold them.
       float* dest = out.data() + nb.shard_offset + (a - lo);
-      for_each_shard_run(old, p, a - ns.offset, c - a,
+      for_each_shard_run(old, old_index[p], a - ns.offset, c - a,
                          [&](int owner, std::size_t index, std::size_t element, std::size_t run) {
                            std::copy_n(sources[static_cast<std::size_t>(owner)] + index, run,
                                        dest + (element - (a - ns.offset)));
@@ -383,26 +370,201 @@ nlohmann::json shard_metadata(const io::SafeTensorsFile& file, const std::string
   }
 }
 
-// The parameters and their bucketing must match; the world size and the
-// alignment may differ (resharding).
-void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, const std::string& path,
-                       const char* key);
-
-// Both layouts: the trainable one and, where either side has one, the frozen one.
-void check_same_model(const nlohmann::json& state, const nlohmann::json& here, const nlohmann::json& here_frozen,
-                      const std::string& path) {
-  const bool theirs = state.contains("frozen_layout"), ours = !here_frozen.is_null();
-  if (theirs != ours)
-    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ",
-               theirs ? "the checkpoint has frozen parameters, this run none"
-                      : "this run has frozen parameters, the checkpoint none",
-               " (a resumed run must freeze the same parameters as the run that saved)");
-  check_same_layout(state, here, path, "layout");
-  if (ours) check_same_layout(state, here_frozen, path, "frozen_layout");
+// An integer in [lo, hi] under `key`, or the reader's error naming it.
+std::int64_t integer(const io::detail::JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) {
+  const nlohmann::json* v = in.find(key);
+  if (!v || !v->is_number_integer()) in.fail(key, "an integer");
+  if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
+  in.fail(key, "an integer in range");
 }
 
-void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, const std::string& path,
-                       const char* key) {
+// A layout recorded by save_state, rebuilt and checked against its padded size.
+FlatLayout saved_layout(const io::detail::JsonReader& layout, const std::string& path, int world_size,
+                        bool allow_empty_buckets) {
+  using io::detail::JsonReader;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
+  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
+  const nlohmann::json& params_json = layout.array("params");
+  const nlohmann::json& counts_json = layout.array("bucket_param_counts");
+  std::vector<ParamSpec> params;
+  for (const nlohmann::json& p : params_json) {
+    const JsonReader param = layout.nested(p, "params[]");
+    ParamSpec spec{param.string("name"), static_cast<std::size_t>(integer(param, "numel", 0, std::int64_t{1} << 50)),
+                   {}};
+    if (const nlohmann::json* shape = param.find("shape")) {
+      if (!shape->is_array()) param.fail("shape", "an array of integers >= 0");
+      for (const nlohmann::json& d : *shape) {
+        if (!d.is_number_integer() || d.get<std::int64_t>() < 0) param.fail("shape", "an array of integers >= 0");
+        spec.shape.push_back(d.get<std::int64_t>());
+      }
+    }
+    if (param.find("group")) spec.group = static_cast<int>(integer(param, "group", 0, 1 << 20));
+    params.push_back(std::move(spec));
+  }
+  const std::size_t least = allow_empty_buckets ? 0 : 1;
+  std::vector<std::vector<ParamSpec>> groups;
+  std::size_t next = 0;
+  for (const nlohmann::json& c : counts_json) {
+    if (!c.is_number_unsigned() || c.get<std::size_t>() < least || c.get<std::size_t>() > params.size() - next)
+      layout.fail("bucket_param_counts", allow_empty_buckets ? "counts >= 0 that add up to the number of parameters"
+                                                             : "counts >= 1 that add up to the number of parameters");
+    const std::size_t n = c.get<std::size_t>();
+    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
+                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
+    next += n;
+  }
+  if (next != params.size()) layout.fail("bucket_param_counts", "counts that add up to the number of parameters");
+  FlatLayout out;
+  try {
+    out = FlatLayout::build_grouped(groups, {.world_size = world_size, .alignment = alignment}, allow_empty_buckets);
+  } catch (const InvalidArgument& e) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
+  }
+  if (out.padded_numel() != padded)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.padded_numel(),
+               " padded elements, the file says ", padded);
+  return out;
+}
+
+// Both layouts of a shard as save_state placed them: the trainable one and,
+// where the shard has frozen parameters, the frozen one (else no bucket).
+struct SavedLayouts {
+  FlatLayout trainable, frozen;
+  bool has_frozen = false;
+};
+
+SavedLayouts saved_layouts(const io::detail::JsonReader& root, const std::string& path) {
+  const io::detail::JsonReader layout = root.object("layout");
+  const int world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20));
+  SavedLayouts out;
+  // Units all of one kind leave an empty bucket in the other kind's layout.
+  out.has_frozen = root.find("frozen_layout") != nullptr;
+  out.trainable = saved_layout(layout, path, world_size, out.has_frozen);
+  if (out.has_frozen) {
+    const io::detail::JsonReader frozen = root.object("frozen_layout");
+    if (integer(frozen, "world_size", 1, 1 << 20) != world_size) frozen.fail("world_size", "layout.world_size");
+    out.frozen = saved_layout(frozen, path, world_size, true);
+    if (out.frozen.buckets().size() != out.trainable.buckets().size())
+      frozen.fail("bucket_param_counts", "one count per unit, as many as layout.bucket_param_counts");
+  }
+  return out;
+}
+
+// The same parameter: name, numel and group; the shape only where both sides
+// recorded one (files written before shapes were recorded still load). Another
+// group would mean other hyperparameters.
+bool same_param(const ParamSpec& a, const ParamSpec& b) {
+  return a.name == b.name && a.numel == b.numel && a.group == b.group &&
+         (a.shape.empty() || b.shape.empty() || a.shape == b.shape);
+}
+
+// For each parameter of `ours`, its index in `theirs` (one kind of a
+// checkpoint's parameters, trainable or frozen; `their_other` and
+// `our_other` the other kind). The same list in the same order maps by
+// position (names need not be unique then); any other order or units map by
+// name. Throws IoError naming the file and the first parameter that differs.
+std::vector<std::size_t> match_params(const FlatLayout& theirs, const FlatLayout& ours, const FlatLayout& their_other,
+                                      const FlatLayout& our_other, bool frozen, const std::string& path) {
+  const std::vector<ParamSpec>& t = theirs.params();
+  const std::vector<ParamSpec>& o = ours.params();
+  std::vector<std::size_t> index(o.size());
+  for (std::size_t i = 0; i < o.size(); ++i) index[i] = i;
+  if (t.size() == o.size() && std::equal(t.begin(), t.end(), o.begin(), same_param)) return index;
+
+  auto refuse = [&](const std::string& detail) {
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail,
+               frozen ? " (among the frozen parameters)" : "");
+  };
+  auto by_name = [](const std::vector<ParamSpec>& params) {
+    std::map<std::string, std::size_t> names;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (!names.emplace(params[i].name, i).second) return std::optional<std::map<std::string, std::size_t>>();
+    return std::optional(std::move(names));
+  };
+  const auto their_names = by_name(t), our_names = by_name(o);
+  if (!their_names || !our_names) {
+    // Names that repeat cannot be matched by name: position decides, as it did before.
+    if (t.size() != o.size())
+      refuse(std::to_string(t.size()) + " parameters in the checkpoint, " + std::to_string(o.size()) + " here");
+    for (std::size_t i = 0; i < o.size(); ++i)
+      if (!same_param(t[i], o[i]))
+        refuse("parameter " + std::to_string(i) + " is " + param_json(t[i]).dump() + " in the checkpoint, " +
+               param_json(o[i]).dump() + " here (names repeat, so parameters are matched by position)");
+  }
+  auto holds = [](const FlatLayout& layout, const std::string& name) {
+    return std::any_of(layout.params().begin(), layout.params().end(),
+                       [&](const ParamSpec& p) { return p.name == name; });
+  };
+  const char* here_kind = frozen ? "frozen" : "trained";
+  const char* other_kind = frozen ? "trained" : "frozen";
+  const std::string refreeze = " (a resumed run must freeze the same parameters as the run that saved)";
+  // The first of the checkpoint's parameters that this run lacks, to name beside ours.
+  std::string theirs_only;
+  for (const ParamSpec& p : t)
+    if (!our_names->contains(p.name) && !holds(our_other, p.name)) {
+      theirs_only = p.name;
+      break;
+    }
+  for (std::size_t i = 0; i < o.size(); ++i) {
+    const auto it = their_names->find(o[i].name);
+    if (it == their_names->end()) {
+      if (holds(their_other, o[i].name))
+        refuse("parameter '" + o[i].name + "' is " + other_kind + " in the checkpoint, " + here_kind + " here" +
+               refreeze);
+      refuse("parameter " + std::to_string(i) + " ('" + o[i].name + "') is not in the checkpoint" +
+             (theirs_only.empty() ? std::string() : "; the checkpoint's '" + theirs_only + "' is not here"));
+    }
+    if (!same_param(t[it->second], o[i]))
+      refuse("parameter " + std::to_string(i) + " is " + param_json(t[it->second]).dump() + " in the checkpoint, " +
+             param_json(o[i]).dump() + " here");
+    index[i] = it->second;
+  }
+  if (t.size() != o.size()) {  // every one of ours is there: the checkpoint has more
+    for (const ParamSpec& p : t)
+      if (!our_names->contains(p.name)) {
+        if (holds(our_other, p.name))
+          refuse("parameter '" + p.name + "' is " + here_kind + " in the checkpoint, " + other_kind + " here" +
+                 refreeze);
+        break;
+      }
+    refuse(std::to_string(t.size()) + " parameters in the checkpoint, " + std::to_string(o.size()) +
+           " here; the checkpoint's '" + theirs_only + "' is not here");
+  }
+  return index;
+}
+
+// Whether `old` (with `old_index` from match_params) places every element
+// where `now` does: then each rank's own file holds exactly its shard.
+bool same_placement(const FlatLayout& old, const FlatLayout& now, const std::vector<std::size_t>& old_index) {
+  if (old.world_size() != now.world_size() || old.buckets().size() != now.buckets().size() ||
+      old.slots().size() != now.slots().size())
+    return false;
+  for (std::size_t p = 0; p < now.slots().size(); ++p) {
+    const ParamSlot &a = old.slots()[p], &b = now.slots()[p];
+    if (old_index[p] != p || a.bucket != b.bucket || a.offset != b.offset || a.numel != b.numel) return false;
+  }
+  for (std::size_t b = 0; b < now.buckets().size(); ++b) {
+    const Bucket &x = old.buckets()[b], &y = now.buckets()[b];
+    if (x.offset != y.offset || x.padded != y.padded || x.shard_size != y.shard_size ||
+        x.shard_offset != y.shard_offset || x.first_param != y.first_param || x.param_count != y.param_count)
+      return false;
+  }
+  return true;
+}
+
+// Where this run's parameters are in a checkpoint: its layouts, and for each
+// parameter (of either kind) the index of the same one in the checkpoint's.
+struct SavedPlacement {
+  SavedLayouts old;
+  std::vector<std::size_t> old_index, old_frozen_index;
+  bool same = false;  // placed exactly as here: load_state's own file alone will do
+};
+
+// The checkpoint must hold the same parameters (names, sizes, shapes, groups,
+// the same ones frozen); their order, units, alignment and world size may differ.
+SavedPlacement match_saved(const nlohmann::json& state, const FlatLayout& here, const FlatLayout& here_frozen,
+                           const std::string& path) {
   auto expect = [&](const char* key, const nlohmann::json& want) {
     if (!state.contains(key) || state[key] != want)
       ZERO_THROW(IoError, "checkpoint shard '", path, "': ", key, " is ",
@@ -410,34 +572,25 @@ void check_same_layout(const nlohmann::json& state, const nlohmann::json& here, 
   };
   expect("format", kShardFormat);
   expect("version", kShardVersion);
-  if (!state.contains(key) || !state[key].is_object())
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': no ", key, " in its metadata");
-  const nlohmann::json& layout = state[key];
-  const auto& theirs = layout.value("params", nlohmann::json::array());
-  const auto& ours = here["params"];
-  std::string detail;
-  if (theirs.size() != ours.size()) {
-    detail = std::to_string(theirs.size()) + " parameters in the checkpoint, " + std::to_string(ours.size()) + " here";
-  } else {
-    // Name and numel decide; shapes only where both sides recorded one (files
-    // written before shapes were recorded still load).
-    auto same = [](const nlohmann::json& a, const nlohmann::json& b) {
-      if (!a.is_object() || a.value("name", nlohmann::json()) != b["name"] ||
-          a.value("numel", nlohmann::json()) != b["numel"])
-        return false;
-      if (a.value("group", 0) != b.value("group", 0)) return false;  // another grouping: other hyperparameters
-      return !a.contains("shape") || !b.contains("shape") || a["shape"] == b["shape"];
-    };
-    for (std::size_t i = 0; i < ours.size() && detail.empty(); ++i)
-      if (!same(theirs[i], ours[i]))
-        detail = "parameter " + std::to_string(i) + " is " + theirs[i].dump() + " in the checkpoint, " +
-                 ours[i].dump() + " here";
+  if (!state.contains("layout") || !state["layout"].is_object())
+    ZERO_THROW(IoError, "checkpoint shard '", path, "': no layout in its metadata");
+  const bool theirs = state.contains("frozen_layout"), ours = !here_frozen.buckets().empty();
+  if (theirs != ours)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ",
+               theirs ? "the checkpoint has frozen parameters, this run none"
+                      : "this run has frozen parameters, the checkpoint none",
+               " (a resumed run must freeze the same parameters as the run that saved)");
+  const std::string origin = "checkpoint shard '" + path + "': 'zero.engine' metadata ";
+  const io::detail::JsonReader root(origin, state, "", io::detail::JsonReader::Found::omitted);
+  SavedPlacement out;
+  out.old = saved_layouts(root, path);
+  out.old_index = match_params(out.old.trainable, here, out.old.frozen, here_frozen, false, path);
+  out.same = same_placement(out.old.trainable, here, out.old_index);
+  if (ours) {
+    out.old_frozen_index = match_params(out.old.frozen, here_frozen, out.old.trainable, here, true, path);
+    out.same = out.same && same_placement(out.old.frozen, here_frozen, out.old_frozen_index);
   }
-  if (detail.empty() && layout.value("bucket_param_counts", nlohmann::json()) != here["bucket_param_counts"])
-    detail = "the parameters are grouped into other buckets/units";
-  if (!detail.empty())
-    ZERO_THROW(IoError, "checkpoint shard '", path, "' belongs to another model: ", detail,
-               std::string_view(key) == "layout" ? "" : " (among the frozen parameters)");
+  return out;
 }
 
 const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& path, const char* name, std::size_t count) {
@@ -453,12 +606,16 @@ const float* shard_tensor(const io::SafeTensorsFile& file, const std::string& pa
 void Engine::load_state(const std::string& path) {
   const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
   const nlohmann::json state = shard_metadata(file, path);
-  check_same_model(state, layout_json(layout_), frozen_json_of(frozen_layout_), path);
-  if (state["layout"].value("world_size", -1) != world_)
-    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ", state["layout"].value("world_size", -1),
+  const SavedPlacement saved = match_saved(state, layout_, frozen_layout_, path);
+  if (saved.old.trainable.world_size() != world_)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' was written by ", saved.old.trainable.world_size(),
                " ranks; this run has ", world_, ": resume with load_state_resharded and every rank's file");
   if (state.value("rank", -1) != rank_)
     ZERO_THROW(IoError, "checkpoint shard '", path, "': rank is ", state.value("rank", -1), ", this run has ", rank_);
+  if (!saved.same)
+    ZERO_THROW(IoError, "checkpoint shard '", path, "' holds this run's parameters in other units, another order "
+               "or another alignment, so this rank's elements lie in other ranks' files: resume with "
+               "load_state_resharded and every rank's file (saved_layout_matches tells the two apart)");
   const std::size_t shard = layout_.shard_numel();
   std::array<const float*, 4> tensors = {shard_tensor(file, path, "master", shard), shard_tensor(file, path, "state0", shard),
                                          shard_tensor(file, path, "state1", shard), shard_tensor(file, path, "ema", shard)};
@@ -471,33 +628,39 @@ void Engine::load_state(const std::string& path) {
   restore_state(tensors, frozen, state.dump(), path);
 }
 
+bool Engine::saved_layout_matches(const std::string& path) const {
+  const io::SafeTensorsFile file = io::SafeTensorsFile::open(path);
+  return match_saved(shard_metadata(file, path), layout_, frozen_layout_, path).same;
+}
+
 void Engine::load_state_resharded(const std::vector<std::string>& paths) {
   ZERO_CHECK(!paths.empty(), "load_state_resharded: no checkpoint files");
   std::vector<io::SafeTensorsFile> files;
   for (const std::string& path : paths) files.push_back(io::SafeTensorsFile::open(path));
-  const nlohmann::json here = layout_json(layout_), here_frozen = frozen_json_of(frozen_layout_);
   const nlohmann::json first = shard_metadata(files[0], paths[0]);
-  const int old_world = first["layout"].value("world_size", -1);
+  const int old_world = first.contains("layout") && first["layout"].is_object()
+                            ? first["layout"].value("world_size", -1) : -1;
   ZERO_CHECK(old_world == static_cast<int>(paths.size()), "load_state_resharded: the checkpoint was written by ",
              old_world, " ranks but ", paths.size(), " files were given (", paths[0], ")");
+  // The old placement of the same parameters (any units and order), once:
+  // every file must record the same one.
+  const SavedPlacement saved = match_saved(first, layout_, frozen_layout_, paths[0]);
   for (std::size_t r = 0; r < files.size(); ++r) {
     const nlohmann::json state = r == 0 ? first : shard_metadata(files[r], paths[r]);
-    check_same_model(state, here, here_frozen, paths[r]);
     if (state.value("rank", -1) != static_cast<int>(r))
       ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': rank is ", state.value("rank", -1), ", expected ", r,
                  " (files must be given in rank order)");
-    if (state["layout"] != first["layout"] || state.value("frozen_layout", nlohmann::json()) != first.value("frozen_layout", nlohmann::json()) ||
+    if (state.value("format", nlohmann::json()) != first["format"] ||
+        state.value("version", nlohmann::json()) != first["version"] ||
+        state.value("layout", nlohmann::json()) != first["layout"] ||
+        state.value("frozen_layout", nlohmann::json()) != first.value("frozen_layout", nlohmann::json()) ||
         state.value("step", -1) != first.value("step", -1))
       ZERO_THROW(IoError, "checkpoint shard '", paths[r], "' does not belong with '", paths[0],
                  "' (another layout or step)");
   }
-  // The old placement of the same parameters.
-  const std::size_t old_alignment = first["layout"].value("alignment", std::size_t{1});
-  const FlatLayout old = rebuilt_at(layout_, old_world, old_alignment);
-  ZERO_CHECK(old.padded_numel() == first["layout"].value("padded_numel", std::size_t{0}), "checkpoint shard '",
-             paths[0], "': its layout could not be rebuilt (padded size differs)");
 
   // This rank's new slices, filled from whichever old ranks held those elements.
+  const FlatLayout& old = saved.old.trainable;
   const char* names[4] = {"master", "state0", "state1", "ema"};
   std::array<std::vector<float>, 4> hosts;
   std::array<const float*, 4> pointers{};
@@ -506,18 +669,18 @@ void Engine::load_state_resharded(const std::vector<std::string>& paths) {
     for (std::size_t r = 0; r < files.size(); ++r)
       sources.push_back(shard_tensor(files[r], paths[r], names[k], old.shard_numel()));
     if (std::find(sources.begin(), sources.end(), nullptr) != sources.end()) continue;  // absent in this checkpoint
-    hosts[k] = reshard(layout_, old, rank_, sources);
+    hosts[k] = reshard(layout_, old, saved.old_index, rank_, sources);
     pointers[k] = hosts[k].data();
   }
   std::vector<float> frozen;
   if (!frozen_layout_.buckets().empty()) {
-    const FlatLayout old_frozen = rebuilt_at(frozen_layout_, old_world, old_alignment);
+    const FlatLayout& old_frozen = saved.old.frozen;
     std::vector<const float*> sources;
     for (std::size_t r = 0; r < files.size(); ++r) {
       sources.push_back(shard_tensor(files[r], paths[r], "frozen", old_frozen.shard_numel()));
       if (!sources.back()) ZERO_THROW(IoError, "checkpoint shard '", paths[r], "': tensor 'frozen' is missing");
     }
-    frozen = reshard(frozen_layout_, old_frozen, rank_, sources);
+    frozen = reshard(frozen_layout_, old_frozen, saved.old_frozen_index, rank_, sources);
   }
   restore_state(pointers, frozen, first.dump(), paths[0]);
 }
@@ -580,65 +743,6 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
 
 // ---------------------------------------------------------------- saved shards (for tools)
 
-namespace {
-// An integer in [lo, hi] under `key`, or the reader's error naming it.
-std::int64_t integer(const io::detail::JsonReader& in, const char* key, std::int64_t lo, std::int64_t hi) {
-  const nlohmann::json* v = in.find(key);
-  if (!v || !v->is_number_integer()) in.fail(key, "an integer");
-  if (const auto x = io::detail::integer_in(*v, lo, hi)) return *x;
-  in.fail(key, "an integer in range");
-}
-
-// A layout recorded by save_state, rebuilt and checked against its padded size.
-FlatLayout saved_layout(const io::detail::JsonReader& layout, const std::string& path, int world_size,
-                        bool allow_empty_buckets) {
-  using io::detail::JsonReader;
-  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
-  const auto alignment = static_cast<std::size_t>(integer(layout, "alignment", 1, 1 << 30));
-  const auto padded = static_cast<std::size_t>(integer(layout, "padded_numel", 0, kMax));
-  const nlohmann::json& params_json = layout.array("params");
-  const nlohmann::json& counts_json = layout.array("bucket_param_counts");
-  std::vector<ParamSpec> params;
-  for (const nlohmann::json& p : params_json) {
-    const JsonReader param = layout.nested(p, "params[]");
-    ParamSpec spec{param.string("name"), static_cast<std::size_t>(integer(param, "numel", 0, std::int64_t{1} << 50)),
-                   {}};
-    if (const nlohmann::json* shape = param.find("shape")) {
-      if (!shape->is_array()) param.fail("shape", "an array of integers >= 0");
-      for (const nlohmann::json& d : *shape) {
-        if (!d.is_number_integer() || d.get<std::int64_t>() < 0) param.fail("shape", "an array of integers >= 0");
-        spec.shape.push_back(d.get<std::int64_t>());
-      }
-    }
-    if (param.find("group")) spec.group = static_cast<int>(integer(param, "group", 0, 1 << 20));
-    params.push_back(std::move(spec));
-  }
-  const std::size_t least = allow_empty_buckets ? 0 : 1;
-  std::vector<std::vector<ParamSpec>> groups;
-  std::size_t next = 0;
-  for (const nlohmann::json& c : counts_json) {
-    if (!c.is_number_unsigned() || c.get<std::size_t>() < least || c.get<std::size_t>() > params.size() - next)
-      layout.fail("bucket_param_counts", allow_empty_buckets ? "counts >= 0 that add up to the number of parameters"
-                                                             : "counts >= 1 that add up to the number of parameters");
-    const std::size_t n = c.get<std::size_t>();
-    groups.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(next),
-                        params.begin() + static_cast<std::ptrdiff_t>(next + n));
-    next += n;
-  }
-  if (next != params.size()) layout.fail("bucket_param_counts", "counts that add up to the number of parameters");
-  FlatLayout out;
-  try {
-    out = FlatLayout::build_grouped(groups, {.world_size = world_size, .alignment = alignment}, allow_empty_buckets);
-  } catch (const InvalidArgument& e) {
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout does not rebuild: ", e.message());
-  }
-  if (out.padded_numel() != padded)
-    ZERO_THROW(IoError, "checkpoint shard '", path, "': its layout rebuilds to ", out.padded_numel(),
-               " padded elements, the file says ", padded);
-  return out;
-}
-}  // namespace
-
 SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   using io::detail::JsonReader;
   const std::string path = file.path().string();
@@ -663,16 +767,10 @@ SavedShard read_saved_shard(const io::SafeTensorsFile& file) {
   const JsonReader layout = root.object("layout");
   out.world_size = static_cast<int>(integer(layout, "world_size", 1, 1 << 20));
   if (out.rank >= out.world_size) root.fail("rank", "below layout.world_size");
-  // Units all of one kind leave an empty bucket in the other kind's layout.
-  const bool has_frozen = root.find("frozen_layout") != nullptr;
-  out.layout = saved_layout(layout, path, out.world_size, has_frozen);
-  if (has_frozen) {
-    const JsonReader frozen = root.object("frozen_layout");
-    if (integer(frozen, "world_size", 1, 1 << 20) != out.world_size) frozen.fail("world_size", "layout.world_size");
-    out.frozen_layout = saved_layout(frozen, path, out.world_size, true);
-    if (out.frozen_layout.buckets().size() != out.layout.buckets().size())
-      frozen.fail("bucket_param_counts", "one count per unit, as many as layout.bucket_param_counts");
-  }
+  SavedLayouts layouts = saved_layouts(root, path);
+  out.layout = std::move(layouts.trainable);
+  out.frozen_layout = std::move(layouts.frozen);
+  const bool has_frozen = layouts.has_frozen;
   out.layout_text = layout_json(out.layout).dump();  // rebuilt, not echoed: bounded depth
   if (has_frozen) out.layout_text += layout_json(out.frozen_layout).dump();
   return out;

@@ -1,14 +1,19 @@
 // Engine state: save and resume at the same world size continue bit for bit,
 // also at another stage; the EMA follows its definition; a shard of another
-// rank, model or world size is refused with the file named.
+// rank, model or world size is refused with the file named; the same
+// parameters in other units or another order are matched by name.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <unistd.h>
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "zero/comm/mpi_communicator.hpp"
@@ -48,6 +53,101 @@ void train_step(Engine& engine, int step, int rank) {
 std::string shard_path(const std::string& tag, int rank) {
   return (std::filesystem::temp_directory_path() / ("zero-test-" + tag + "-rank" + std::to_string(rank) + ".safetensors"))
       .string();
+}
+
+// Every rank's file of the checkpoint `tag`, written at `world` ranks.
+std::vector<std::string> shard_paths(const std::string& tag, int world) {
+  std::vector<std::string> files;
+  for (int r = 0; r < world; ++r) files.push_back(shard_path(tag, r));
+  return files;
+}
+
+// ---- the same parameters in other units or another order
+
+// The parameters of units(with_frozen), regrouped: each unit split into
+// single parameters, the first two units merged, units and parameters
+// reversed, and everything shuffled into other units.
+enum class Regrouping { split, merge, reverse, shuffle };
+constexpr Regrouping kRegroupings[] = {Regrouping::split, Regrouping::merge, Regrouping::reverse, Regrouping::shuffle};
+
+const char* name_of(Regrouping r) {
+  switch (r) {
+    case Regrouping::split: return "split";
+    case Regrouping::merge: return "merge";
+    case Regrouping::reverse: return "reverse";
+    case Regrouping::shuffle: return "shuffle";
+  }
+  return "?";
+}
+
+std::vector<std::vector<ParamSpec>> regrouped_units(Regrouping how, bool with_frozen = false) {
+  const std::vector<std::vector<ParamSpec>> u = units(with_frozen);
+  std::map<std::string, ParamSpec> p;
+  for (const auto& unit : u)
+    for (const ParamSpec& s : unit) p[s.name] = s;
+  switch (how) {
+    case Regrouping::split: return {{p["a"]}, {p["b"]}, {p["c"]}, {p["d"]}, {p["e"]}};
+    case Regrouping::merge: return {{p["a"], p["b"], p["c"]}, {p["d"], p["e"]}};
+    case Regrouping::reverse: return {{p["e"], p["d"]}, {p["c"]}, {p["b"], p["a"]}};
+    case Regrouping::shuffle: return {{p["c"], p["e"]}, {p["a"]}, {p["d"], p["b"]}};
+  }
+  return u;
+}
+
+// One step whose gradients depend on (step, rank, parameter name) and on the
+// weights, not on where the parameter is: the same in any units and order.
+void train_step_by_name(Engine& engine, int step, int rank) {
+  const std::vector<std::vector<float>> w = testing::read_model_params(engine);
+  const DType g = engine.options().effective_grad_dtype();
+  for (std::size_t p = 0; p < engine.param_count(); ++p) {
+    if (engine.frozen(p)) continue;
+    std::uint32_t seed = 2166136261u;  // FNV-1a of the name
+    for (const char ch : engine.params()[p].name) seed = (seed ^ static_cast<std::uint8_t>(ch)) * 16777619u;
+    std::mt19937 rng(seed + static_cast<std::uint32_t>(step * 131 + rank));
+    std::normal_distribution<float> normal;
+    void* grad = engine.grad_data(p);
+    for (std::size_t k = 0; k < w[p].size(); ++k) store_from_float(grad, k, g, w[p][k] - 0.5f + 0.1f * normal(rng));
+    engine.grad_ready(p);
+  }
+  engine.finish_micro_step();
+  REQUIRE(engine.step().applied);
+}
+
+using ByName = std::map<std::string, std::vector<float>>;
+
+ByName by_name(const Engine& engine, std::vector<std::vector<float>> values) {
+  ByName out;
+  for (std::size_t p = 0; p < engine.param_count(); ++p) out[engine.params()[p].name] = std::move(values[p]);
+  return out;
+}
+
+// Master weights (frozen values included), EMA, both moments and the model
+// copy, per parameter name (collective).
+struct NamedState {
+  ByName master, ema, m, v, model;
+};
+
+NamedState named_state(Engine& engine) {
+  return {by_name(engine, engine.gather_master_params()), by_name(engine, engine.gather_ema_params()),
+          by_name(engine, engine.gather_optimizer_state(0)), by_name(engine, engine.gather_optimizer_state(1)),
+          by_name(engine, engine.gather_model_params())};
+}
+
+bool bitwise_same(const ByName& a, const ByName& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, values] : a) {
+    const auto it = b.find(name);
+    if (it == b.end() || !testing::bitwise_equal({values}, {it->second})) return false;
+  }
+  return true;
+}
+
+void check_same_state(const NamedState& got, const NamedState& want) {
+  CHECK(bitwise_same(got.master, want.master));
+  CHECK(bitwise_same(got.ema, want.ema));
+  CHECK(bitwise_same(got.m, want.m));
+  CHECK(bitwise_same(got.v, want.v));
+  CHECK(bitwise_same(got.model, want.model));
 }
 
 }  // namespace
@@ -145,9 +245,149 @@ TEST_CASE("a shard of another model, rank or world size is refused, naming the f
   with_frozen.save_state(frozen_path);
   CHECK_THROWS_WITH_AS(engine.load_state(frozen_path), doctest::Contains("the checkpoint has frozen parameters"),
                        IoError);
+  comm.barrier();  // every rank's file of `path` is written
+  // A renamed parameter is another model, whichever loader or query meets it.
+  auto renamed_units = units();
+  renamed_units[1][0].name = "c2";
+  Engine renamed(renamed_units, options(2, DType::bf16), comm, *backend);
+  const std::string first_path = shard_path(tag, 0);  // the file load_state_resharded checks
+  const std::pair<std::function<void()>, const std::string*> attempts[] = {
+      {[&] { renamed.load_state(path); }, &path},
+      {[&] { renamed.load_state_resharded(shard_paths(tag, comm.size())); }, &first_path},
+      {[&] { (void)renamed.saved_layout_matches(path); }, &path}};
+  for (const auto& [attempt, named] : attempts) {
+    CHECK_THROWS_WITH_AS(attempt(), doctest::Contains("belongs to another model: parameter 2 ('c2') is not in the "
+                                                      "checkpoint; the checkpoint's 'c' is not here"),
+                         IoError);
+    CHECK_THROWS_WITH_AS(attempt(), doctest::Contains(named->c_str()), IoError);
+  }
+  // In other units, parameters are matched by name: another size is still
+  // refused with the parameter named, and so is one frozen on one side only.
+  auto resized = regrouped_units(Regrouping::reverse);
+  resized[1][0].numel = 4098;  // "c"
+  Engine other_resized(resized, options(2, DType::bf16), comm, *backend);
+  CHECK_THROWS_WITH_AS(other_resized.load_state_resharded(shard_paths(tag, comm.size())),
+                       doctest::Contains("belongs to another model: parameter 2 is {\"name\":\"c\",\"numel\":4099} in "
+                                         "the checkpoint, {\"name\":\"c\",\"numel\":4098} here"),
+                       IoError);
+  auto half_frozen = regrouped_units(Regrouping::reverse, true);
+  half_frozen[1][0].frozen = false;  // "c": frozen in the checkpoint, trained here
+  Engine other_frozen(half_frozen, options(2, DType::bf16), comm, *backend);
+  comm.barrier();  // every rank's frozen_path is written
+  CHECK_THROWS_WITH_AS(other_frozen.load_state_resharded(shard_paths(tag + "frozen", comm.size())),
+                       doctest::Contains("parameter 'c' is frozen in the checkpoint, trained here"), IoError);
   comm.barrier();
   std::filesystem::remove(path);
   std::filesystem::remove(frozen_path);
+}
+
+TEST_CASE("resume the same parameters in other units or another order: matched by name and bit for bit") {
+  MpiCommunicator comm;
+  const int n = comm.size();
+  auto backend = make_host_backend();
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "regroup" + std::to_string(static_cast<long>(pid));
+  for (const auto& [dtype, frozen] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, true}}) {
+    for (int stage = 1; stage <= 3; ++stage) {
+      CAPTURE(dtype);
+      CAPTURE(frozen);
+      CAPTURE(stage);
+      Engine saved(units(frozen), options(stage, dtype), comm, *backend);
+      init(saved);
+      for (int s = 0; s < 3; ++s) train_step_by_name(saved, s, comm.rank());
+      const std::string path = shard_path(tag, comm.rank());
+      saved.save_state(path);
+      comm.barrier();  // every rank's file is written
+      CHECK(saved.saved_layout_matches(path));  // the fast path: load_state from its own file
+      const NamedState want = named_state(saved);
+      train_step_by_name(saved, 3, comm.rank());
+      const NamedState want_next = named_state(saved);
+      for (const Regrouping how : kRegroupings) {
+        CAPTURE(name_of(how));
+        Engine regrouped(regrouped_units(how, frozen), options(stage, dtype), comm, *backend);
+        testing::init_random_params(regrouped, 99);  // other values, all overwritten by the load (frozen ones too)
+        CHECK_FALSE(regrouped.saved_layout_matches(path));
+        CHECK_THROWS_WITH_AS(regrouped.load_state(path), doctest::Contains("resume with load_state_resharded"),
+                             IoError);
+        regrouped.load_state_resharded(shard_paths(tag, n));
+        CHECK(regrouped.steps_applied() == 3);
+        check_same_state(named_state(regrouped), want);
+        train_step_by_name(regrouped, 3, comm.rank());  // one more step from both: the same parameters
+        check_same_state(named_state(regrouped), want_next);
+      }
+      // The same units at another alignment place the elements elsewhere too.
+      EngineOptions realigned = options(stage, dtype);
+      realigned.buckets.alignment_elements = 4;
+      Engine moved(units(frozen), realigned, comm, *backend);
+      testing::init_random_params(moved, 99);
+      CHECK_FALSE(moved.saved_layout_matches(path));
+      moved.load_state_resharded(shard_paths(tag, n));
+      check_same_state(named_state(moved), want);
+      comm.barrier();
+      std::filesystem::remove(path);
+    }
+  }
+}
+
+TEST_CASE("resume in other units at another world size (N -> N-1 and N-1 -> N)") {
+  MpiCommunicator comm;
+  const int n = comm.size();
+  if (n < 2) return;  // needs two world sizes within this run
+  auto backend = make_host_backend();
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "regroup-world" + std::to_string(static_cast<long>(pid));
+  const int small = n - 1;
+  const bool in_small = comm.rank() < small;
+  MPI_Comm sub_comm = MPI_COMM_NULL;
+  ZERO_CHECK_MPI(MPI_Comm_split(comm.mpi_comm(), in_small ? 0 : MPI_UNDEFINED, comm.rank(), &sub_comm));
+  for (const auto& [dtype, frozen] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, true}}) {
+    for (int stage = 1; stage <= 3; ++stage) {
+      for (const Regrouping how : kRegroupings) {
+        CAPTURE(dtype);
+        CAPTURE(frozen);
+        CAPTURE(stage);
+        CAPTURE(name_of(how));
+        // N -> N-1 into other units, at another stage and alignment.
+        EngineOptions small_options = options(stage % 3 + 1, dtype);
+        small_options.buckets.alignment_elements = 4;
+        Engine big(units(frozen), options(stage, dtype), comm, *backend);
+        init(big);
+        for (int s = 0; s < 3; ++s) train_step_by_name(big, s, comm.rank());
+        big.save_state(shard_path(tag + "big", comm.rank()));
+        const NamedState want = named_state(big);
+        comm.barrier();
+        std::optional<NamedState> small_next;
+        if (in_small) {
+          MpiCommunicator sub(sub_comm);
+          Engine resumed(regrouped_units(how, frozen), small_options, sub, *backend);
+          testing::init_random_params(resumed, 99);
+          resumed.load_state_resharded(shard_paths(tag + "big", n));
+          CHECK(resumed.steps_applied() == 3);
+          check_same_state(named_state(resumed), want);
+          train_step_by_name(resumed, 3, sub.rank());  // and it trains on
+          small_next = named_state(resumed);
+          // N-1 -> N: saved in the other units for the next part.
+          resumed.save_state(shard_path(tag + "small", sub.rank()));
+        }
+        comm.barrier();
+        Engine grown(units(frozen), options(stage, dtype), comm, *backend);
+        testing::init_random_params(grown, 99);
+        grown.load_state_resharded(shard_paths(tag + "small", small));
+        CHECK(grown.steps_applied() == 4);
+        const NamedState got = named_state(grown);
+        if (small_next) check_same_state(got, *small_next);
+        comm.barrier();
+        if (comm.rank() == 0) {
+          for (const auto& f : shard_paths(tag + "big", n)) std::filesystem::remove(f);
+          for (const auto& f : shard_paths(tag + "small", small)) std::filesystem::remove(f);
+        }
+        comm.barrier();
+      }
+    }
+  }
+  if (sub_comm != MPI_COMM_NULL) MPI_Comm_free(&sub_comm);
 }
 
 TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1 -> N)") {

@@ -239,13 +239,24 @@ class Engine {
   /// `metadata` adds string entries (the trainer's config, RNG states...).
   void save_state(const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata = {});
   /// Restores what save_state wrote for this rank, at the same world size and
-  /// layout (any stage); the model parameters are recomputed from the master
-  /// weights. Collective. Throws zero::IoError naming the file and the mismatch.
+  /// placement (same units, order and alignment; any stage); the model
+  /// parameters are recomputed from the master weights. Collective. Throws
+  /// zero::IoError naming the file and the mismatch; for a checkpoint of the
+  /// same parameters placed otherwise it names load_state_resharded.
   void load_state(const std::string& path);
+  /// Whether load_state can restore from `path` (any rank's file of a
+  /// checkpoint) alone: the checkpoint places the parameters exactly as this
+  /// engine does (same world size, units, order and alignment). False for the
+  /// same parameters placed otherwise (load_state_resharded restores those);
+  /// throws zero::IoError, as load_state would, for another model or a file
+  /// that is not a shard. Reads the file's metadata only; not collective.
+  bool saved_layout_matches(const std::string& path) const;
   /// Restores a state saved at any world size (and any stage), given every
   /// old rank's file in rank order: each rank reads the elements of its new
-  /// slices from whichever old shards hold them. The model must be the same
-  /// (names, sizes, units); padding and alignment may differ. Collective.
+  /// slices from whichever old shards hold them. The model must hold the same
+  /// parameters (names, sizes, shapes, groups, the same ones frozen); they are
+  /// matched by name, so their order and grouping into units may differ, as
+  /// may padding and alignment. Collective.
   void load_state_resharded(const std::vector<std::string>& rank_files);
   /// The optimizer state tensor `slot` (0 or 1) of every parameter (collective;
   /// tests); empty for frozen parameters.

@@ -37,8 +37,9 @@ def run(cmd, expect_ok=True, env=None, timeout=300):
     return result
 
 
-def read_safetensors(path):
-    """name -> (dtype, shape, values: a tuple of floats for F32, else the raw bytes), and the metadata."""
+def read_safetensors(path, raw=False):
+    """name -> (dtype, shape, values: a tuple of floats for F32, else the raw
+    bytes; raw=True: the raw bytes for every dtype), and the metadata."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -47,8 +48,8 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        raw = body[info["data_offsets"][0]:info["data_offsets"][1]]
-        values = struct.unpack(f"<{len(raw) // 4}f", raw) if info["dtype"] == "F32" else raw
+        data = body[info["data_offsets"][0]:info["data_offsets"][1]]
+        values = struct.unpack(f"<{len(data) // 4}f", data) if info["dtype"] == "F32" and not raw else data
         out[name] = (info["dtype"], info["shape"], values)
     return out, header.get("__metadata__", {})
 

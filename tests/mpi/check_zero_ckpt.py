@@ -28,6 +28,9 @@ import sys
 import tempfile
 from array import array
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+import e2e_harness  # noqa: E402
+
 ZERO_CKPT, MPIEXEC, WRITER = sys.argv[1:4]
 MPI_FLAGS = sys.argv[4:]
 STEP = 3
@@ -51,17 +54,7 @@ def run(*args):
 
 def read_safetensors(path):
     """{name: (dtype, shape, bytes)} and the metadata."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    base = 8 + n
-    out = {}
-    for name, t in header.items():
-        a, b = t["data_offsets"]
-        out[name] = (t["dtype"], t["shape"], blob[base + a:base + b])
-    return out, meta
+    return e2e_harness.read_safetensors(path, raw=True)
 
 
 def bf16_rne(fp32_bytes):

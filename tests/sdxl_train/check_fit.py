@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ GLOBAL_BATCH = 8
 KEYS = ["stage", "offload_optimizer", "offload_params", "offload_delayed_update", "activation_checkpointing",
         "batch_size", "accumulation"]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, read_safetensors  # noqa: E402
 
 
 def write_config():
@@ -77,12 +76,7 @@ def losses(out):
 
 def read_tensors(path):
     """name -> (dtype, shape, bytes) of every tensor in a safetensors file (metadata left out)."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        body = f.read()
-    return {name: (info["dtype"], info["shape"], body[info["data_offsets"][0]:info["data_offsets"][1]])
-            for name, info in header.items() if name != "__metadata__"}
+    return read_safetensors(path, raw=True)[0]
 
 
 def final_state(out):

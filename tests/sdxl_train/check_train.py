@@ -10,12 +10,14 @@
    stage 3 is refused. The delayed update (DPU): warm-up steps equal, then
    departs and still trains; resuming continues it exactly; at stage 3 with
    offload_params it is the stage-2 delayed run bit for bit; with
-   accumulation 2 it trains. Channels-last
+   accumulation 2 it trains, the same bit for bit with the gradients
+   accumulated on the host. Channels-last
    trains within 1e-3 of NCHW; cuda_graph/attention misuse is refused.
 3. N=1 with the same global batch: the trajectory agrees with N=2 within a
    stated tolerance (only the order of gradient sums differs).
 4. Stopped after 15 steps and resumed: steps 16..30 equal the uninterrupted run;
-   resumed at N=1 and another stage from a 2-rank checkpoint: within 1e-4;
+   resumed at N=1 and another stage from a 2-rank checkpoint, and with other
+   ZeRO units (per block -> per layer): within 1e-4;
    a corrupted or truncated shard is refused, naming the file.
 5. The exported UNet, loaded by unet_forward, reproduces the trained model's
    output (export_check.safetensors).
@@ -52,7 +54,7 @@ TRAIN, UNET_FORWARD, MPIEXEC, CONFIG, WORK = sys.argv[1:6]
 MPI_FLAGS = sys.argv[6:]
 STEPS = 30
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, read_safetensors  # noqa: E402
 
 
 def train(name, ranks, *overrides):
@@ -90,15 +92,9 @@ def losses(out):
 
 
 def read_f32(path, name):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        info = header[name]
-        assert info["dtype"] == "F32", info
-        begin, end = info["data_offsets"]
-        f.seek(8 + n + begin)
-        data = f.read(end - begin)
-    return struct.unpack(f"<{len(data) // 4}f", data)
+    dtype, _, values = read_safetensors(path)[0][name]
+    assert dtype == "F32", (path, name, dtype)
+    return values
 
 
 os.makedirs(WORK, exist_ok=True)
@@ -155,6 +151,16 @@ ga_first = sum(ga[s] for s in (1, 2, 3)) / 3
 ga_last = sum(ga[s] for s in range(STEPS - 4, STEPS + 1)) / 5
 check(ga_last < 0.5 * ga_first,
       f"delayed update with accumulation 2: the loss falls by more than half ({ga_first:.4f} -> {ga_last:.4f})")
+# The micro-steps' gradients added on the host instead of in a device shard:
+# the same fp32 additions and roundings, so the same trajectory bit for bit.
+gh = train("np2-stage3-delayed-host-accumulation", 2, "--stage", "3", "--offload_optimizer", "true",
+           "--offload_delayed_update", "true", "--accumulation", "2", "--batch_size", "2",
+           "--offload_accumulate_on_host", "true")
+check(all(gh[s] == ga[s] for s in ga), "gradients accumulated on the host: the device-accumulated trajectory bit for bit")
+code, output = run_expecting_failure("host-accumulation-no-offload", 1, "--stage", "2", "--accumulation", "2",
+                                     "--offload_accumulate_on_host", "true")
+check(code != 0 and "offload_accumulate_on_host needs offload_optimizer = true" in output,
+      "offload_accumulate_on_host without offload is refused, naming it")
 code, output = run_expecting_failure("delayed-no-offload", 1, "--stage", "2", "--offload_delayed_update", "true")
 check(code != 0 and "offload_delayed_update needs offload_optimizer = true" in output,
       "offload_delayed_update without offload is refused, naming it")
@@ -195,6 +201,16 @@ e = resume("resharded", 1, "--stage", "2", "--batch_size", "8", "--resume", "lat
 worst = max(abs(e[s] - a[s]) / abs(a[s]) for s in range(16, STEPS + 1))
 print(f"  resumed at N=1 from N=2 (stage 3 -> 2): max relative loss difference, steps 16-30: {worst:.3e}")
 check(worst <= 1e-4, f"resuming at another world size and stage continues the run (within 1e-4, got {worst:.2e})")
+
+# 4b'. Stopped with one ZeRO unit per UNet block, resumed with one per layer
+# (the default): the checkpoint's parameters are regrouped by name into the
+# new units; only the order of the gradient-norm sums can differ.
+train("regrouped", 2, "--stage", "3", "--units", "blocks", "--stop_after", "15")
+r = resume("regrouped", 2, "--stage", "3", "--units", "layers", "--resume", "latest")
+worst = max(abs(r[s] - a[s]) / abs(a[s]) for s in range(1, STEPS + 1))
+print(f"  stopped per block, resumed per layer: max relative loss difference over {STEPS} steps {worst:.3e}")
+check(sorted(r) == list(range(1, STEPS + 1)) and worst <= 1e-4,
+      f"a checkpoint written with other units resumes and continues the run (within 1e-4, got {worst:.2e})")
 
 # 4c. A corrupted or truncated shard is refused with the file named.
 train("damaged", 2, "--stage", "2", "--stop_after", "3")
@@ -316,12 +332,7 @@ FROZEN_STEPS = 10
 
 def read_raw(path):
     """name -> (dtype, shape, bytes) of every tensor in a safetensors file."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        body = f.read()
-    return {name: (info["dtype"], info["shape"], body[info["data_offsets"][0]:info["data_offsets"][1]])
-            for name, info in header.items() if name != "__metadata__"}
+    return read_safetensors(path, raw=True)[0]
 
 
 def frozen_run(name, config_path, *overrides, steps=FROZEN_STEPS, ranks=2):

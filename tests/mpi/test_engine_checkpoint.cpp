@@ -330,18 +330,36 @@ TEST_CASE("resume the same parameters in other units or another order: matched b
   }
 }
 
+// The first N - 1 ranks of this world as a communicator of their own (null
+// on the last rank), and a file tag all ranks share (rank 0's pid), apart
+// from concurrent runs: for the tests that resume at another world size.
+struct SmallerWorld {
+  std::string tag;
+  bool in_small = false;
+  MPI_Comm comm = MPI_COMM_NULL;
+  SmallerWorld(MpiCommunicator& world, const std::string& prefix) {
+    double pid = ::getpid();
+    world.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+    tag = prefix + std::to_string(static_cast<long>(pid));
+    in_small = world.rank() < world.size() - 1;
+    ZERO_CHECK_MPI(MPI_Comm_split(world.mpi_comm(), in_small ? 0 : MPI_UNDEFINED, world.rank(), &comm));
+  }
+  SmallerWorld(const SmallerWorld&) = delete;
+  SmallerWorld& operator=(const SmallerWorld&) = delete;
+  ~SmallerWorld() {
+    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+  }
+};
+
 TEST_CASE("resume in other units at another world size (N -> N-1 and N-1 -> N)") {
   MpiCommunicator comm;
   const int n = comm.size();
   if (n < 2) return;  // needs two world sizes within this run
   auto backend = make_host_backend();
-  double pid = ::getpid();
-  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
-  const std::string tag = "regroup-world" + std::to_string(static_cast<long>(pid));
+  const SmallerWorld smaller(comm, "regroup-world");
+  const std::string& tag = smaller.tag;
   const int small = n - 1;
-  const bool in_small = comm.rank() < small;
-  MPI_Comm sub_comm = MPI_COMM_NULL;
-  ZERO_CHECK_MPI(MPI_Comm_split(comm.mpi_comm(), in_small ? 0 : MPI_UNDEFINED, comm.rank(), &sub_comm));
+  const bool in_small = smaller.in_small;
   for (const auto& [dtype, frozen] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, true}}) {
     for (int stage = 1; stage <= 3; ++stage) {
       for (const Regrouping how : kRegroupings) {
@@ -360,7 +378,7 @@ TEST_CASE("resume in other units at another world size (N -> N-1 and N-1 -> N)")
         comm.barrier();
         std::optional<NamedState> small_next;
         if (in_small) {
-          MpiCommunicator sub(sub_comm);
+          MpiCommunicator sub(smaller.comm);
           Engine resumed(regrouped_units(how, frozen), small_options, sub, *backend);
           testing::init_random_params(resumed, 99);
           resumed.load_state_resharded(shard_paths(tag + "big", n));
@@ -387,7 +405,6 @@ TEST_CASE("resume in other units at another world size (N -> N-1 and N-1 -> N)")
       }
     }
   }
-  if (sub_comm != MPI_COMM_NULL) MPI_Comm_free(&sub_comm);
 }
 
 TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1 -> N)") {
@@ -395,13 +412,10 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
   const int n = comm.size();
   if (n < 2) return;  // needs two world sizes within this run
   auto backend = make_host_backend();
-  double pid = ::getpid();
-  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
-  const std::string tag = "reshard" + std::to_string(static_cast<long>(pid));
+  const SmallerWorld smaller(comm, "reshard");
+  const std::string& tag = smaller.tag;
   const int small = n - 1;
-  const bool in_small = comm.rank() < small;
-  MPI_Comm sub_comm = MPI_COMM_NULL;
-  ZERO_CHECK_MPI(MPI_Comm_split(comm.mpi_comm(), in_small ? 0 : MPI_UNDEFINED, comm.rank(), &sub_comm));
+  const bool in_small = smaller.in_small;
   auto files_of = [&](const std::string& which, int world) {
     std::vector<std::string> files;
     for (int r = 0; r < world; ++r) files.push_back(shard_path(tag + which, r));
@@ -430,7 +444,7 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       const Snapshot want = snapshot(big);
       comm.barrier();
       if (in_small) {
-        MpiCommunicator sub(sub_comm);
+        MpiCommunicator sub(smaller.comm);
         Engine resumed(units(frozen), small_options, sub, *backend);
         resumed.load_state_resharded(files_of("big", n));
         CHECK(resumed.steps_applied() == 3);
@@ -446,7 +460,7 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       comm.barrier();
       std::optional<Snapshot> saved_small;
       if (in_small) {
-        MpiCommunicator sub(sub_comm);
+        MpiCommunicator sub(smaller.comm);
         Engine again(units(frozen), small_options, sub, *backend);
         again.load_state(shard_path(tag + "small", sub.rank()));
         saved_small = snapshot(again);
@@ -469,7 +483,6 @@ TEST_CASE("resume at another world size from the sharded files (N -> N-1 and N-1
       comm.barrier();
     }
   }
-  if (sub_comm != MPI_COMM_NULL) MPI_Comm_free(&sub_comm);
   // Wrong file count or order is a clear error.
   Engine engine(units(), options(2, DType::bf16), comm, *backend);
   CHECK_THROWS_WITH_AS(engine.load_state_resharded({}), doctest::Contains("no checkpoint files"), InvalidArgument);

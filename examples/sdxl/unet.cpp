@@ -466,6 +466,27 @@ struct BlockCommon {
 
 }  // namespace
 
+namespace {
+
+// The layer units of a down or up block: resnet i, then attention i's
+// transformer layers, for each i; then the resampler's convolution
+// ("<prefix>.<samplers>.0"), if any.
+void add_level_units(const std::string& prefix, const std::vector<std::shared_ptr<ResnetBlock2D>>& resnets,
+                     const std::vector<std::shared_ptr<Transformer2DModel>>& attentions, const char* samplers,
+                     const std::shared_ptr<Conv2d>& sampler, std::vector<ParameterUnit>& units) {
+  for (std::size_t i = 0; i < resnets.size(); ++i) {
+    const std::string resnet = prefix + ".resnets." + std::to_string(i);
+    add_unit(units, resnet, {{resnet, resnets[i]}});
+    if (!attentions.empty()) attentions[i]->add_units(prefix + ".attentions." + std::to_string(i), units);
+  }
+  if (sampler) {
+    const std::string name = prefix + "." + samplers + ".0";
+    add_unit(units, name, {{name + ".conv", sampler}});
+  }
+}
+
+}  // namespace
+
 /// DownBlock2D and CrossAttnDownBlock2D: resnets (each followed by a
 /// Transformer2DModel when with_attention) and an optional stride-2 conv.
 class DownBlock : public torch::nn::Module {
@@ -517,13 +538,7 @@ class DownBlock : public torch::nn::Module {
 
   /// The units forward(..., run) runs, in that order.
   void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
-    for (std::size_t i = 0; i < resnets_.size(); ++i) {
-      const std::string idx = std::to_string(i);
-      add_unit(units, prefix + ".resnets." + idx, {{prefix + ".resnets." + idx, resnets_[i]}});
-      if (!attentions_.empty()) attentions_[i]->add_units(prefix + ".attentions." + idx, units);
-    }
-    if (downsample_)
-      add_unit(units, prefix + ".downsamplers.0", {{prefix + ".downsamplers.0.conv", downsample_}});
+    add_level_units(prefix, resnets_, attentions_, "downsamplers", downsample_, units);
   }
 
  private:
@@ -637,14 +652,9 @@ class UpBlock : public torch::nn::Module {
     return x;
   }
 
+  /// The units forward(..., run) runs, in that order.
   void add_units(const std::string& prefix, std::vector<ParameterUnit>& units) const {
-    for (std::size_t i = 0; i < resnets_.size(); ++i) {
-      const std::string idx = std::to_string(i);
-      add_unit(units, prefix + ".resnets." + idx, {{prefix + ".resnets." + idx, resnets_[i]}});
-      if (!attentions_.empty()) attentions_[i]->add_units(prefix + ".attentions." + idx, units);
-    }
-    if (upsample_conv_)
-      add_unit(units, prefix + ".upsamplers.0", {{prefix + ".upsamplers.0.conv", upsample_conv_}});
+    add_level_units(prefix, resnets_, attentions_, "upsamplers", upsample_conv_, units);
   }
 
  private:

@@ -146,6 +146,15 @@ void reference_step(const OptimizerOptions& o, const StepScalars& s, const Shard
   }
 }
 
+// dst += src over [begin, end), rounded to D (the device kernel's fp32 add
+// and rounding), in the branch-free conversions so the loop vectorizes: the
+// generic per-element dispatch ran at 1 G elements/s on two cores, slower
+// than the AdamW + EMA update it was to feed.
+template <DType D>
+ZERO_MULTIVERSION void accumulate_chunk(void* dst, const void* src, std::size_t begin, std::size_t end) {
+  for (std::size_t i = begin; i < end; ++i) store_value<D>(dst, i, load_grad<D>(dst, i) + load_grad<D>(src, i));
+}
+
 template <DType D>
 ZERO_MULTIVERSION GradStats stats_chunk(const void* data, std::size_t begin, std::size_t end) {
   // Sixteen independent float partials per block of 256 (element i goes to
@@ -277,9 +286,21 @@ void cpu_ema_update(float* ema, const float* weights, std::size_t count, double 
 
 void cpu_accumulate(void* dst, const void* src, DType dtype, std::size_t count) {
   check_dtype(dtype, "accumulate");
-#pragma omp parallel for schedule(static) if (count > kChunk)
-  for (std::size_t i = 0; i < count; ++i)
-    store_from_float(dst, i, dtype, load_as_float(dst, i, dtype) + load_as_float(src, i, dtype));
+  auto chunk = [&](std::size_t begin, std::size_t end) {
+    switch (dtype) {
+      case DType::fp32: accumulate_chunk<DType::fp32>(dst, src, begin, end); return;
+      case DType::bf16: accumulate_chunk<DType::bf16>(dst, src, begin, end); return;
+      case DType::fp16: accumulate_chunk<DType::fp16>(dst, src, begin, end); return;
+    }
+  };
+  // Element-wise: any cut gives the same bits.
+  const std::size_t chunks = (count + kChunk - 1) / kChunk;
+  if (chunks <= 1) {
+    chunk(0, count);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (std::size_t c = 0; c < chunks; ++c) chunk(c * kChunk, std::min(count, (c + 1) * kChunk));
 }
 
 }  // namespace zero

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "zero/optim/loss_scaler.hpp"
@@ -230,6 +233,32 @@ TEST_CASE("conversion and accumulation helpers round once") {
   cpu_accumulate(acc.data(), bf.data(), DType::bf16, bf.size());
   for (std::size_t i = 0; i < src.size(); ++i)
     CHECK(bf16_bits_to_float(acc[i]) == round_to(DType::bf16, 2 * bf16_bits_to_float(bf[i])));
+}
+
+TEST_CASE("cpu_accumulate: bit for bit the scalar add and rounding, every dtype, across chunks and threads") {
+  // More elements than one task's chunk, so the threaded, vectorized path
+  // runs; values that round (ties included), overflow to inf, and NaNs.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const std::size_t n = (std::size_t{1} << 17) + 77;
+  for (DType dtype : {DType::fp32, DType::bf16, DType::fp16}) {
+    CAPTURE(dtype);
+    const std::size_t width = size_of(dtype);
+    std::vector<std::byte> dst(n * width), src(n * width);
+    for (std::size_t i = 0; i < n; ++i) {
+      float a = normal(rng), b = normal(rng);
+      if (i % 97 == 0) a = std::numeric_limits<float>::quiet_NaN();
+      if (i % 101 == 0) b = 60000.0f;  // fp16: a + b overflows to inf
+      if (i % 103 == 0) std::tie(a, b) = std::pair{1.0f, 0.00390625f};  // bf16: a tie
+      store_from_float(dst.data(), i, dtype, a);
+      store_from_float(src.data(), i, dtype, b);
+    }
+    std::vector<std::byte> expected = dst;
+    for (std::size_t i = 0; i < n; ++i)
+      store_from_float(expected.data(), i, dtype, load_as_float(expected.data(), i, dtype) + load_as_float(src.data(), i, dtype));
+    cpu_accumulate(dst.data(), src.data(), dtype, n);
+    CHECK(std::memcmp(dst.data(), expected.data(), dst.size()) == 0);
+  }
 }
 
 TEST_CASE("kernels reject missing state with a clear message") {

@@ -104,7 +104,7 @@ struct SpeedModel {
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
   /// offload.accumulate_on_host: the CPU's gradient additions per host
   /// (dst += src in the gradient dtype), on the thread that drives the GPU.
-  double cpu_add_elements_per_second = 15e9;
+  double cpu_add_elements_per_second = 10e9;
 };
 
 struct PlanInput {

@@ -4,8 +4,9 @@
 // against diffusers' reference output.
 //
 // Blocks (ResnetBlock2D, Transformer2DModel, the down/mid/up blocks, ...) are
-// defined in unet.cpp; this header exposes the model, its ZeRO stage-3 units
-// and the activation-checkpointing switch.
+// defined in unet.cpp, unet_layers.hpp and unet_transformer.hpp; this header
+// exposes the model, its ZeRO stage-3 units and the activation-checkpointing
+// switch.
 #pragma once
 
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "activation_checkpoint.hpp"
 #include "unet_config.hpp"
 
 namespace sdxl {
@@ -91,7 +93,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
   /// When on and grad mode is enabled, each unit but "embed" and "head" runs
   /// without saving activations and is recomputed during backward (LibTorch
-  /// has no torch.utils.checkpoint; see unet.cpp). Gradients are unchanged.
+  /// has no torch.utils.checkpoint; see activation_checkpoint.hpp). Gradients are unchanged.
   void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
   bool activation_checkpointing() const { return activation_checkpointing_; }
   /// Runs the convolutional path in channels-last (NHWC) memory order: cuDNN
@@ -163,13 +165,5 @@ torch::Tensor timestep_features(const torch::Tensor& timesteps, std::int64_t dim
 /// `upcast` computes in float32 when the inputs are half precision.
 torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    std::int64_t heads, bool upcast);
-
-/// Runs `fn(inputs)` so that autograd keeps only `inputs` and recomputes fn in
-/// backward (reentrant checkpointing). Parameters used by fn receive their
-/// gradients during that recompute. fn must be deterministic (no dropout).
-/// Without grad mode this is a plain call.
-torch::autograd::variable_list checkpoint(
-    std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)> fn,
-    const torch::autograd::variable_list& inputs);
 
 }  // namespace sdxl

@@ -1,5 +1,6 @@
-// Mirrors the constructors in unet.cpp: each helper appends the tensors one
-// module registers, in registration order (which is named_parameters() order).
+// Mirrors the constructors in unet.cpp and unet_transformer.hpp: each helper
+// appends the tensors one module registers, in registration order (which is
+// named_parameters() order).
 #include "unet_param_count.hpp"
 
 #include <algorithm>
@@ -66,7 +67,7 @@ void transformer_2d(Tensors& t, const LevelSpec& spec) {
   linear(t, spec.channels, spec.channels, true);
 }
 
-// The units of one Transformer2DModel at layer granularity (unet.cpp's
+// The units of one Transformer2DModel at layer granularity (unet_transformer.hpp's
 // Transformer2DModel::add_units): one per transformer layer, the first with
 // norm and proj_in, the last with proj_out.
 void transformer_2d_units(std::vector<UnitParameterCount>& units, const std::string& prefix, const LevelSpec& spec) {

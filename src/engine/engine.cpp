@@ -501,7 +501,7 @@ void Engine::enter_unit(std::size_t unit, Pass pass, bool recomputed) {
 
 StepResult Engine::step() {
   Impl& m = *impl_;
-  ZERO_CHECK(micro_step_ == options_.accumulation_steps, "step() after ", micro_step_,
+  ZERO_CHECK(m.micro_step == options_.accumulation_steps, "step() after ", m.micro_step,
              " micro-steps; accumulation_steps is ", options_.accumulation_steps,
              " (call finish_micro_step() after each)");
   m.finish_param_gathers();  // the optimizer is about to write the parameters
@@ -552,7 +552,7 @@ StepResult Engine::step() {
   result.step = step_;
 
   m.reset_gradients();
-  micro_step_ = 0;
+  m.micro_step = 0;
   if (!proceed && options_.max_consecutive_nonfinite > 0 &&
       consecutive_nonfinite_ >= options_.max_consecutive_nonfinite) {
     ZERO_THROW(Error, consecutive_nonfinite_, " steps in a row had non-finite gradients (limit ",
@@ -581,6 +581,8 @@ GradStats Engine::local_grad_stats(StepResult& result) {
   for (std::size_t b = 0; b < buckets.size(); ++b) spans[b] = {m.reduced_grad(b), buckets[b].shard_size};
   return m.backend.grad_stats(spans.data(), spans.size(), m.gdt, m.backend.compute_stream());
 }
+
+int Engine::micro_step() const { return impl_->micro_step; }
 
 // ---------------------------------------------------------------- memory
 

@@ -101,11 +101,12 @@ struct Engine::Impl {
     std::byte* scratch = nullptr;  // null when the slice was reduced in place (stage 1)
     std::size_t bytes = 0;
     Event copied = nullptr;
-    // Accumulating on the host after the first micro-step: the slice landed
+    std::size_t bucket = 0;
+    // Accumulating on the host after the first micro-step: the slice lands
     // in staging, to be added into the host gradient shard once it has.
-    std::byte* add_to = nullptr;
-    const std::byte* add_from = nullptr;
-    std::size_t add_count = 0;
+    // (Both are retired within the micro-step: the updater swaps its host
+    // shards only in step().)
+    bool add_from_staging = false;
   };
   std::vector<char> param_ready;
   std::vector<std::size_t> bucket_ready_count;
@@ -113,9 +114,7 @@ struct Engine::Impl {
   std::vector<std::byte*> bucket_buffer;   // transient per-bucket gradient buffers
   std::deque<Pending> pending;
   std::deque<Download> downloads;
-  // plan.accumulates_on_host: a micro-step after this step's first, whose
-  // downloads are added on the host rather than copied over.
-  bool downloads_add = false;
+  int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);

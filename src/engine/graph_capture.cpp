@@ -18,7 +18,7 @@ void Engine::begin_graph_capture() {
   ZERO_CHECK(m.comm.graph_capturable() && (!m.replica_comm || m.replica_comm->graph_capturable()),
              "a CUDA graph of the micro-step needs collectives that can be captured (NCCL); the ",
              m.comm.backend_name(), " communicator waits on the host");
-  ZERO_CHECK(micro_step_ == 0, "begin_graph_capture: call it at the start of a step (micro-step ", micro_step_, ")");
+  ZERO_CHECK(m.micro_step == 0, "begin_graph_capture: call it at the start of a step (micro-step ", m.micro_step, ")");
   ZERO_CHECK(m.prepared_for_capture, "begin_graph_capture: call prepare_graph_replay() before the capture begins "
              "(the work outside the graph must be ordered before it)");
   m.prepared_for_capture = false;
@@ -32,7 +32,7 @@ void Engine::begin_graph_capture() {
 void Engine::end_graph_capture() {
   Impl& m = *impl_;
   ZERO_CHECK(m.capturing, "end_graph_capture without begin_graph_capture");
-  ZERO_CHECK(micro_step_ == 1 && m.pending.empty(),
+  ZERO_CHECK(m.micro_step == 1 && m.pending.empty(),
              "end_graph_capture: finish_micro_step() belongs in the captured micro-step");
   for (std::size_t u = 0; u < m.unit_refs.size(); ++u)
     ZERO_CHECK(m.unit_refs[u] == 0, "end_graph_capture: unit ", u, " is still gathered; release it in the capture");
@@ -49,7 +49,7 @@ bool Engine::graph_captured() const { return impl_->captured; }
 
 void Engine::prepare_graph_replay() {
   Impl& m = *impl_;
-  ZERO_CHECK(micro_step_ == 0, "prepare_graph_replay: call it at the start of a step (micro-step ", micro_step_, ")");
+  ZERO_CHECK(m.micro_step == 0, "prepare_graph_replay: call it at the start of a step (micro-step ", m.micro_step, ")");
   m.finish_param_gathers();
   // The accumulator's zeroing (reset_gradients) is on the comm stream; the
   // graph's reductions, captured there, replay on the compute stream.
@@ -60,9 +60,9 @@ void Engine::prepare_graph_replay() {
 void Engine::graph_replayed() {
   Impl& m = *impl_;
   ZERO_CHECK(m.captured, "graph_replayed: no micro-step was captured (begin_graph_capture/end_graph_capture)");
-  ZERO_CHECK(micro_step_ == 0, "graph_replayed: the step has ", micro_step_, " micro-step(s) already");
+  ZERO_CHECK(m.micro_step == 0, "graph_replayed: the step has ", m.micro_step, " micro-step(s) already");
   m.accumulator_has_data = m.captured_accumulator;
-  ++micro_step_;
+  ++m.micro_step;
 }
 
 }  // namespace zero

@@ -58,7 +58,8 @@ void Engine::Impl::complete(Pending& entry) {
   if (plan.streams_grads_to_host) {
     // The reduced slice goes down now, overlapping the rest of backward;
     // the device block it is read from is held until the copy lands.
-    Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr};
+    Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr, entry.bucket,
+               plan.accumulates_on_host && micro_step > 0};
     const void* reduced = entry.scratch;
     if (!entry.scratch && plan.reduces_in_place()) {
       reduced = reduced_grad(entry.bucket);
@@ -70,12 +71,8 @@ void Engine::Impl::complete(Pending& entry) {
       bucket_buffer[entry.bucket] = nullptr;
       reduced = d.scratch;
     }
-    std::byte* host = updater->host_gradients() + bucket.shard_offset * g_size;
-    if (downloads_add) {
-      d.add_to = host;
-      d.add_from = host = updater->host_gradient_staging() + bucket.shard_offset * g_size;
-      d.add_count = bucket.shard_size;
-    }
+    std::byte* host = (d.add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) +
+                      bucket.shard_offset * g_size;
     backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     d.copied = backend.record_event(backend.comm_stream());
     downloads.push_back(d);
@@ -99,7 +96,12 @@ void Engine::Impl::retire_download() {
   backend.wait_event(d.copied);
   backend.release_event(d.copied);
   if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
-  if (d.add_to) backend.host_accumulate(d.add_to, d.add_from, gdt, d.add_count);
+  if (d.add_from_staging) {
+    const Bucket& bucket = layout.buckets()[d.bucket];
+    const std::size_t at = bucket.shard_offset * g_size;
+    backend.host_accumulate(updater->host_gradients() + at, updater->host_gradient_staging() + at, gdt,
+                            bucket.shard_size);
+  }
 }
 
 void Engine::Impl::complete_all() {
@@ -123,7 +125,6 @@ void Engine::Impl::reset_gradients() {
     backend.fill_zero(grad_shard, layout.shard_numel() * g_size, backend.comm_stream());
   }
   std::fill(accumulator_has_data.begin(), accumulator_has_data.end(), 0);
-  downloads_add = false;  // the next step's first micro-step copies over the host shard
 }
 
 // ---------------------------------------------------------------- Engine: gradients
@@ -138,7 +139,7 @@ void* Engine::trainable_grad_data(std::size_t param) {
   const ParamSlot& slot = layout_.slots()[param];
   ZERO_CHECK(!m.param_ready[param], "grad_data('", layout_.params()[param].name,
              "'): its gradient was already declared ready in this micro-step");
-  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_data: all ", options_.accumulation_steps,
+  ZERO_CHECK(m.micro_step < options_.accumulation_steps, "grad_data: all ", options_.accumulation_steps,
              " micro-steps of this step are done; call step() first");
   if (m.plan.full_grads) return m.grads_full + slot.offset * m.g_size;
   const Bucket& bucket = layout_.buckets()[slot.bucket];
@@ -151,27 +152,27 @@ void Engine::trainable_grad_ready(std::size_t param) {
   Impl& m = *impl_;
   ZERO_CHECK(!m.param_ready[param], "grad_ready('", layout_.params()[param].name,
              "') called twice in one micro-step");
-  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "grad_ready: all ", options_.accumulation_steps,
+  ZERO_CHECK(m.micro_step < options_.accumulation_steps, "grad_ready: all ", options_.accumulation_steps,
              " micro-steps of this step are done; call step() first");
   const std::size_t b = layout_.slots()[param].bucket;
   if (!m.plan.full_grads && !m.bucket_buffer[b]) trainable_grad_data(param);  // an unused parameter: zero gradient
   m.param_ready[param] = 1;
   if (++m.bucket_ready_count[b] < layout_.buckets()[b].param_count) return;
-  const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
+  const bool last_micro_step = m.micro_step + 1 == options_.accumulation_steps;
   if (m.plan.reduce_only_at_boundary && !last_micro_step) return;
   m.issue_reduce(b);
 }
 
 void Engine::finish_micro_step() {
   Impl& m = *impl_;
-  ZERO_CHECK(micro_step_ < options_.accumulation_steps, "finish_micro_step: all ",
+  ZERO_CHECK(m.micro_step < options_.accumulation_steps, "finish_micro_step: all ",
              options_.accumulation_steps, " micro-steps of this step are done; call step() first");
   for (std::size_t p = 0; p < m.param_ready.size(); ++p)
     if (!m.param_ready[p]) trainable_grad_ready(p);
   // A unit whose parameters are all frozen has an empty trainable bucket (all
   // padding): reduced like the others, so that every path finds every bucket's
   // (zero) gradient where it looks.
-  const bool last_micro_step = micro_step_ + 1 == options_.accumulation_steps;
+  const bool last_micro_step = m.micro_step + 1 == options_.accumulation_steps;
   for (std::size_t b = 0; b < layout_.buckets().size(); ++b) {
     if (layout_.buckets()[b].param_count != 0 || (m.plan.reduce_only_at_boundary && !last_micro_step)) continue;
     if (!m.plan.full_grads)
@@ -185,8 +186,7 @@ void Engine::finish_micro_step() {
     m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
   std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
   std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);
-  ++micro_step_;
-  m.downloads_add = m.plan.accumulates_on_host;  // reset by step()
+  ++m.micro_step;
 }
 
 }  // namespace zero

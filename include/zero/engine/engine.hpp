@@ -155,7 +155,7 @@ class Engine {
   /// Ends a micro-step: parameters never declared ready count as zero
   /// gradients (unused parameters), every reduction issued is completed.
   void finish_micro_step();
-  int micro_step() const { return micro_step_; }
+  int micro_step() const;
 
   // ------------------------------------------------------------ CUDA graphs (any stage)
   // A micro-step (the stage-3 gathers, forward, backward with its gradient
@@ -312,7 +312,6 @@ class Engine {
   int world_ = 1;
   int replica_ = 0;
   int replicas_ = 1;
-  int micro_step_ = 0;
   std::int64_t step_ = 0;
   std::int64_t skipped_total_ = 0;
   int consecutive_nonfinite_ = 0;

@@ -67,6 +67,10 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   frozen_unit_buffer.assign(frozen_layout.buckets().size(), nullptr);
   frozen_unit_work.resize(frozen_layout.buckets().size());
   updater = detail::make_updater(*this);
+  if (plan.accumulates_on_host) {
+    host_adder = std::make_unique<detail::HostAdder>(backend, gdt);
+    staging_add.assign(layout.buckets().size(), 0);
+  }
 
   const std::size_t buckets = layout.buckets().size();
   param_ready.assign(layout.params().size(), 0);
@@ -111,6 +115,7 @@ std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std
 }
 
 Engine::Impl::~Impl() {
+  host_adder.reset();  // stops its additions before the host shards they write go
   updater.reset();  // joins a delayed update before the state it writes goes
   pending.clear();  // Work destructors wait
   param_gathers.clear();

@@ -6,12 +6,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "buffer_pool.hpp"
+#include "host_adder.hpp"
 #include "updater.hpp"
 #include "zero/engine/engine.hpp"
 #include "zero/engine/stage_plan.hpp"
@@ -115,12 +117,19 @@ struct Engine::Impl {
   std::deque<Pending> pending;
   std::deque<Download> downloads;
   int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
+  // plan.accumulates_on_host: the additions of staged slices into the host
+  // gradient shard, on their own thread, and per bucket the ticket of the
+  // last one that reads its staging slice (0: none in flight).
+  std::unique_ptr<detail::HostAdder> host_adder;
+  std::vector<std::uint64_t> staging_add;
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);
   void retire_download();
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();
+  /// Every host addition done (host_adder): the host gradient shard is whole.
+  void finish_host_additions();
   /// Zeroes the gradient buffers for the next step.
   void reset_gradients();
 

@@ -234,7 +234,7 @@ double Plan::seconds_per_step() const {
   gpu *= input.engine.accumulation_steps;
   if (!input.engine.offload.optimizer)
     gpu += s.optimizer_seconds_per_step * size / (input.engine.stage == 0 ? 1.0 : input.world_size);
-  double offload = 0, gathers = 0;
+  double offload = 0, gathers = 0, host_additions = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
     // Transfers overlap the CPU update bucket by bucket: the slower one
@@ -247,17 +247,21 @@ double Plan::seconds_per_step() const {
                            s.pcie_bytes_per_second);
     if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
     // Accumulating on the host: every micro-step after the first goes down
-    // too and the driving thread adds it (neither counted as hidden).
+    // too (counted as not hidden, as the uploads are), and the adder thread
+    // adds it into the host shard while the device computes on.
     if (input.engine.offload.accumulate_on_host && input.engine.accumulation_steps > 1) {
       const double g = static_cast<double>(size_of(input.engine.effective_grad_dtype()));
-      gathers += (input.engine.accumulation_steps - 1) *
-                 (shard * ranks_per_host / s.cpu_add_elements_per_second + shard * g / s.pcie_bytes_per_second);
+      const double later = input.engine.accumulation_steps - 1;
+      gathers += later * shard * g / s.pcie_bytes_per_second;
+      host_additions = later * shard * ranks_per_host / s.cpu_add_elements_per_second;
     }
   }
   // A delayed update runs beside the next step's device work (the gathers'
-  // uploads included, which it does not hide): the slower counts.
-  const double step =
-      input.engine.offload.delayed_update ? std::max(gpu + gathers, offload) : gpu + gathers + offload;
+  // uploads included, which it does not hide), and the host additions share
+  // the CPU with it: the slower side counts. Without it, the additions run
+  // beside the micro-steps and the update follows them.
+  const double step = input.engine.offload.delayed_update ? std::max(gpu + gathers, offload + host_additions)
+                                                          : std::max(gpu + gathers, host_additions) + offload;
   return step;
 }
 

@@ -7,6 +7,8 @@
 // which the CPU adds into the host gradient shard once the copy has landed).
 #include "engine_impl.hpp"
 
+#include <utility>
+
 namespace zero {
 
 void Engine::Impl::issue_reduce(std::size_t b) {
@@ -73,6 +75,8 @@ void Engine::Impl::complete(Pending& entry) {
     }
     std::byte* host = (d.add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) +
                       bucket.shard_offset * g_size;
+    // The last micro-step's addition must have read this staging slice.
+    if (d.add_from_staging) host_adder->wait(std::exchange(staging_add[entry.bucket], 0));
     backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     d.copied = backend.record_event(backend.comm_stream());
     downloads.push_back(d);
@@ -96,11 +100,11 @@ void Engine::Impl::retire_download() {
   backend.wait_event(d.copied);
   backend.release_event(d.copied);
   if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
-  if (d.add_from_staging) {
+  if (d.add_from_staging) {  // landed: added on the adder's thread, beside the rest of backward
     const Bucket& bucket = layout.buckets()[d.bucket];
     const std::size_t at = bucket.shard_offset * g_size;
-    backend.host_accumulate(updater->host_gradients() + at, updater->host_gradient_staging() + at, gdt,
-                            bucket.shard_size);
+    staging_add[d.bucket] =
+        host_adder->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size);
   }
 }
 
@@ -111,6 +115,12 @@ void Engine::Impl::complete_all() {
   }
   while (!downloads.empty()) retire_download();
   order_after(backend.compute_stream(), backend.comm_stream());
+}
+
+void Engine::Impl::finish_host_additions() {
+  if (!host_adder) return;
+  host_adder->wait_all();
+  std::fill(staging_add.begin(), staging_add.end(), 0);
 }
 
 void Engine::Impl::reset_gradients() {
@@ -180,6 +190,7 @@ void Engine::finish_micro_step() {
     m.issue_reduce(b);
   }
   m.complete_all();
+  if (last_micro_step) m.finish_host_additions();  // the step reads the host gradients next
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.
   if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary)

@@ -1,0 +1,75 @@
+// HostAdder: see host_adder.hpp.
+#include "host_adder.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+namespace zero::detail {
+
+HostAdder::HostAdder(Backend& backend, DType dtype) : backend_(backend), dtype_(dtype), thread_([this] { run(); }) {}
+
+HostAdder::~HostAdder() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+    jobs_.clear();
+  }
+  queued_cv_.notify_all();
+  thread_.join();
+}
+
+std::uint64_t HostAdder::add(void* dst, const void* src, std::size_t count) {
+  std::uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back({dst, src, count});
+    ticket = ++queued_;
+  }
+  queued_cv_.notify_one();
+  return ticket;
+}
+
+void HostAdder::wait(std::uint64_t ticket) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return done_ >= ticket || error_; });
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (error_) std::rethrow_exception(error_);  // kept: every later wait fails the same way
+}
+
+void HostAdder::wait_all() {
+  std::uint64_t last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = queued_;
+  }
+  wait(last);
+}
+
+void HostAdder::run() {
+  // Leave a core to the thread that drives the device.
+  omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    queued_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    const Job job = jobs_.front();
+    jobs_.pop_front();
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      backend_.host_accumulate(job.dst, job.src, dtype_, job.count);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    if (error && !error_) error_ = error;
+    ++done_;
+    done_cv_.notify_all();
+  }
+}
+
+}  // namespace zero::detail

@@ -4,6 +4,7 @@
 // micro-conditioning (sampling.hpp), the VAE decoder, and PNG files.
 //
 //   sample --pipeline DIR [--unet PATH] --prompt "..." [--steps 30] [--guidance 5] [--seed S] --output x.png
+//   sample --single_file sd_xl_base_1.0.safetensors --tokenizer DIR --tokenizer_2 DIR --prompt "..." --output x.png
 //
 // Each image i draws its initial noise from a CPU generator seeded with
 // seed + i, exactly as diffusers' pipeline does for
@@ -60,12 +61,19 @@ int run(int argc, char** argv) {
   CLI::App app{"sample: SDXL text -> image in C++ (docs/sampling.md)"};
   auto* pipeline = app.add_option("--pipeline", o.models.pipeline, "diffusers SDXL pipeline folder (vae/, text_encoder/, "
                                                             "text_encoder_2/, tokenizer/, tokenizer_2/, unet/)");
-  auto* single = app.add_option("--single_file", o.models.single_file, "original single-file SDXL checkpoint: the VAE and "
-                                                                "text encoders (give --unet, --tokenizer, --tokenizer_2)");
+  auto* single = app.add_option("--single_file", o.models.single_file, "original single-file SDXL checkpoint (A1111/"
+                                                                "ComfyUI): VAE, text encoders and, unless --unet says "
+                                                                "otherwise, the UNet (give --tokenizer, --tokenizer_2)");
   pipeline->excludes(single);
+  app.add_option("--single_file_config", o.models.single_file_config,
+                 "with --single_file: a diffusers pipeline folder whose vae/, text_encoder/, text_encoder_2/ and "
+                 "unet/ config.json describe the file's models (default: SDXL 1.0's); its tokenizers and scheduler "
+                 "serve as defaults")
+      ->needs(single);
   app.add_option("--tokenizer", o.models.tokenizer, "tokenizer folder (default: PIPELINE/tokenizer)");
   app.add_option("--tokenizer_2", o.models.tokenizer_2, "second tokenizer folder (default: PIPELINE/tokenizer_2)");
-  app.add_option("--unet", o.unet, "UNet: a diffusers folder or a zero single-file export (default: PIPELINE/unet)");
+  app.add_option("--unet", o.unet, "UNet: a diffusers folder, a zero export or an original single file (default: "
+                                   "PIPELINE/unet, or the --single_file)");
   app.add_option("--scheduler_config", o.scheduler_config,
                  "scheduler_config.json (default: PIPELINE/scheduler/scheduler_config.json, else SDXL 1.0's)");
   app.add_option("--prompt", o.prompt, "the prompt")->required();
@@ -86,10 +94,9 @@ int run(int argc, char** argv) {
   app.add_option("--save_latents", o.save_latents, "also write the final latents (safetensors, key 'latents')");
   CLI11_PARSE(app, argc, argv);
 
-  if (!o.models.single_file.empty())
-    ZERO_CHECK(!o.unet.empty(), "--single_file: give --unet as well (a diffusers UNet folder or a zero export)");
   o.models.resolve(/*needs_tokenizers=*/true);
-  if (o.unet.empty()) o.unet = (fs::path(o.models.pipeline) / "unet").string();
+  if (o.unet.empty())
+    o.unet = o.models.single_file.empty() ? (fs::path(o.models.pipeline) / "unet").string() : o.models.single_file;
   ZERO_CHECK(fs::exists(o.unet), "--unet '", o.unet, "' does not exist (a diffusers UNet folder or a .safetensors "
                                                       "export)");
   const fs::path out_dir = fs::path(o.output).parent_path();
@@ -127,7 +134,7 @@ int run(int argc, char** argv) {
     }
   }
 
-  sdxl::UNet2DConditionModel unet = sdxl::load_unet(o.unet, options);
+  sdxl::UNet2DConditionModel unet = sdxl::load_source_unet(o.models, o.unet, options);
   unet->eval();
   sdxl::AutoencoderKL vae = sdxl::load_source_vae(o.models, options);
 

@@ -405,10 +405,14 @@ void load_unet_weights(UNet2DConditionModelImpl& model, const fs::path& path) {
 }
 
 UNet2DConditionModel load_unet(const fs::path& path, torch::TensorOptions options) {
+  return load_unet(path, options, read_unet_config(path));
+}
+
+UNet2DConditionModel load_unet(const fs::path& path, torch::TensorOptions options, const UNetConfig& config) {
   UNetBuildOptions build;
   build.tensor_options = options;
   build.initialize = false;  // every parameter is overwritten by the load
-  UNet2DConditionModel model(read_unet_config(path), build);
+  UNet2DConditionModel model(config, build);
   load_unet_weights(*model, path);
   return model;
 }

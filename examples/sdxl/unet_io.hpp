@@ -44,6 +44,10 @@ void load_unet_weights(UNet2DConditionModelImpl& model, const std::filesystem::p
 /// (dtype/device) and loads its weights.
 UNet2DConditionModel load_unet(const std::filesystem::path& path,
                                torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32));
+/// The same with the architecture given (e.g. an original single file of a
+/// model other than SDXL 1.0, which records no config).
+UNet2DConditionModel load_unet(const std::filesystem::path& path, torch::TensorOptions options,
+                               const UNetConfig& config);
 
 /// Layout of a saved checkpoint.
 enum class CheckpointFormat {

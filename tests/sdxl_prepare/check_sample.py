@@ -7,11 +7,21 @@
    guidance or another sampler each give another image;
 3. --num_images 2: x-0.png is seed S's image, x-1.png seed S+1's;
 4. bad input (missing pipeline folder, missing UNet, unknown sampler) exits
-   non-zero naming what is wrong, without C++ frames.
+   non-zero naming what is wrong, without C++ frames;
+5. an original single file (make_single_file: the pipeline's VAE and text
+   encoders and the trained UNet under Stability AI's names, no config
+   metadata, as A1111 and ComfyUI load): --single_file with
+   --single_file_config (the architectures, tokenizers and scheduler from a
+   pipeline folder) gives the same PNG bytes as --pipeline --unet, with its
+   own UNet and with --unet; without --single_file_config the tiny models
+   are refused naming the mismatch and the option; --single_file_config
+   without --single_file, and a config folder without unet/config.json, are
+   refused naming them.
 
-  check_sample.py SAMPLE TRAIN MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
+  check_sample.py SAMPLE TRAIN MAKE_SINGLE_FILE MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
 """
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -20,8 +30,8 @@ import tiny_pipeline  # noqa: E402
 from e2e_harness import check, finish, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
-SAMPLE, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
-MPI_FLAGS = sys.argv[6:]
+SAMPLE, TRAIN, MAKE_SINGLE_FILE, MPIEXEC, SOURCE, WORK = sys.argv[1:7]
+MPI_FLAGS = sys.argv[7:]
 
 PIPELINE, unet_config = tiny_pipeline.fresh_workdir(WORK, SOURCE)
 runs = os.path.join(WORK, "train")
@@ -76,6 +86,48 @@ for what, cmd, fragment in (
     text = r.stdout + r.stderr
     check(r.returncode != 0 and fragment in text and "Exception raised from" not in text,
           f"{what} exits non-zero naming '{fragment}'")
+check(not os.path.exists(png("x.png")), "no image after a refusal")
+
+# 5. An original single file.
+SINGLE = os.path.join(WORK, "original.safetensors")
+run([MAKE_SINGLE_FILE, PIPELINE, UNET, SINGLE])
+CONFIG = os.path.join(WORK, "single-file-config")  # a pipeline folder's configs, tokenizers and scheduler
+os.makedirs(os.path.join(CONFIG, "unet"))
+for name in os.listdir(PIPELINE):
+    os.symlink(os.path.join(PIPELINE, name), os.path.join(CONFIG, name))
+shutil.copy(os.path.join(UNET, "config.json"), os.path.join(CONFIG, "unet", "config.json"))
+
+
+def sample_single(output, *extra, expect_ok=True):
+    return run([SAMPLE, "--single_file", SINGLE, "--prompt", "a red fox in snow", "--steps", "4", "--height", "32",
+                "--width", "48", "--seed", "3", "--output", output, *extra], expect_ok=expect_ok)
+
+
+sample_single(png("single.png"), "--single_file_config", CONFIG)
+check(open(png("single.png"), "rb").read() == open(png("a.png"), "rb").read(),
+      "--single_file --single_file_config: the same bytes as --pipeline --unet (the file's own UNet)")
+sample_single(png("single-unet.png"), "--single_file_config", CONFIG, "--unet", UNET)
+check(open(png("single-unet.png"), "rb").read() == open(png("a.png"), "rb").read(),
+      "--single_file with --unet: the same bytes")
+tokenizers = ["--tokenizer", os.path.join(PIPELINE, "tokenizer"), "--tokenizer_2", os.path.join(PIPELINE, "tokenizer_2")]
+no_unet_config = os.path.join(WORK, "config-without-unet")
+os.makedirs(no_unet_config)
+for name in ("vae", "text_encoder", "text_encoder_2"):
+    os.symlink(os.path.join(PIPELINE, name), os.path.join(no_unet_config, name))
+for what, extra, fragments in (
+        ("SDXL 1.0's architectures (no --single_file_config)", tokenizers,
+         ["does not match", "--single_file_config DIR"]),
+        ("a config folder without unet/config.json", ["--single_file_config", no_unet_config, *tokenizers],
+         [no_unet_config, "unet/config.json"]),
+        ("no tokenizers", [], ["holds no tokenizers", "--tokenizer"])):
+    r = sample_single(png("x.png"), *extra, expect_ok=False)
+    text = r.stdout + r.stderr
+    check(r.returncode != 0 and all(f in text for f in fragments) and "Exception raised from" not in text,
+          f"{what}: refused naming {fragments}")
+r = run([SAMPLE, "--pipeline", PIPELINE, "--single_file_config", CONFIG, "--prompt", "x", "--output", png("x.png")],
+        expect_ok=False)
+check(r.returncode != 0 and "--single_file_config requires --single_file" in r.stdout + r.stderr,
+      "--single_file_config without --single_file is refused")
 check(not os.path.exists(png("x.png")), "no image after a refusal")
 
 finish()

@@ -5,10 +5,10 @@
 
 1. A bad option under mpirun -np 2: the message is printed once (rank 0, with
    its rank; one line naming the ranks that failed the same way), never run
-   together with another line, without zero's source paths (train_config.cpp:N)
-   unless ZERO_DEBUG=1; bucket_mib's message names bucket_mib (not
-   EngineOptions.bucket_bytes); the batch-size message names options a user can
-   set (not LastBatchPolicy::pad).
+   together with another line, without zero's source paths
+   (train_config_validate.cpp:N) unless ZERO_DEBUG=1; bucket_mib's message
+   names bucket_mib (not EngineOptions.bucket_bytes); the batch-size message
+   names options a user can set (not LastBatchPolicy::pad).
 2. Sizes known before anything is allocated are refused at once, naming the
    option and its limit: synthetic_samples 2e9, latent_size 65536,
    batch_size 1e6, a UNet config with layers_per_block 100000 and one whose
@@ -91,7 +91,7 @@ check(said.startswith("[zero rank 0] "), "bucket_mib 1e-9: printed by rank 0, na
 check(any(re.fullmatch(r"\[zero\] rank 1 failed the same way", line) for line in error_lines(r)),
       "bucket_mib 1e-9: rank 1 is named as failing the same way, in a line of its own")
 r = train("bucket_debug", "--bucket_mib", "1e-9", env={"ZERO_DEBUG": "1"})
-check(re.search(r"examples/sdxl/train_config\.cpp:\d+: ", r.stderr) is not None,
+check(re.search(r"examples/sdxl/train_config_validate\.cpp:\d+: ", r.stderr) is not None,
       "ZERO_DEBUG=1: the message names the source file and line")
 
 r = train("batch", "--batch_size", "200")

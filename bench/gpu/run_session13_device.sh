@@ -2,6 +2,7 @@
 # The session-13 H200 calls (2026-12-05): the UNet's ZeRO units per layer.
 #   PHASES="build calibrate tests" bash bench/gpu/run_session13_device.sh   (first call)
 #   PHASES="build caps hostacc" bash bench/gpu/run_session13_device.sh      (second call)
+#   PHASES="build graphckpt" bash bench/gpu/run_session13_device.sh         (third call)
 #  build: the cuda preset (TARGETS: only these; default every target);
 #  tests: every gpu test (TESTS: a ctest regex instead);
 #  calibrate: sdxl-1024.toml (AdamW + EMA, checkpointing), stage 0, batch 1 and 8, per layer,
@@ -11,6 +12,10 @@
 #        size), and stage 3 with everything offloaded at 2 x 4 under max_gpu_memory = 12GiB;
 #  hostacc: stage 2, offload, delayed update, 4 x 2, the gradients accumulated on the device
 #        and on the host (offload_accumulate_on_host), uncapped; all with sdxl-1024.toml.
+#  graphckpt (added 2026-12-05, session 14): stage 2 with checkpointing (sdxl-1024.toml: EMA),
+#        batch 1 and batch 8, eager against [device] cuda_graph: whether batch 1's 0.30 s
+#        micro-step is launch-bound (the graph should take it to ~0.12 s) and what the graph
+#        gives at batch 8 (the issue's 17 images/s).
 # Logs, JSON lines and summary.json under $OUT/s13.
 set -uo pipefail
 NAME=s13 DEFAULT_PHASES="build calibrate tests"
@@ -37,6 +42,12 @@ if has hostacc; then
   common="--stage 2 --offload_optimizer true --offload_delayed_update true --batch_size 4 --accumulation 2"
   run_trainer "sdxl-offload-4x2-device-accumulation" 300 $common
   run_trainer "sdxl-offload-4x2-host-accumulation" 300 $common --offload_accumulate_on_host true
+fi
+if has graphckpt; then
+  for batch in 1 8; do
+    run_trainer "sdxl-stage2-ckpt-b$batch-eager" 240 --stage 2 --batch_size "$batch"
+    run_trainer "sdxl-stage2-ckpt-b$batch-graph" 240 --stage 2 --batch_size "$batch" --cuda_graph true
+  done
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 if has tests; then run_gpu_tests "${TESTS:-all}"; fi  # last: the runs above are what the next call needs

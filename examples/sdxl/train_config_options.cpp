@@ -142,8 +142,8 @@ std::vector<Option> options_of(TrainConfig& c) {
        "transposes in cuDNN, fused NHWC GroupNorm+SiLU on CUDA"},
       {"device", "cuda_graph", &c.cuda_graph,
        "capture the micro-step in a CUDA graph after the first step and replay it (no launch overhead): forward and "
-       "backward at stages 0-1, the reductions and stage-3 gathers too at stages 2-3; needs accumulation 1, no "
-       "offload, no activation checkpointing, bf16 or fp32"},
+       "backward at stages 0-1, the reductions and stage-3 gathers too at stages 2-3, and with activation "
+       "checkpointing the recompute; needs accumulation 1, no offload, bf16 or fp32"},
       {"device", "profile_step", &c.profile_step,
        "write a Kineto trace of this step (rank 0, CUDA) to output_dir/profile-step-N.json (0: off)"},
   };

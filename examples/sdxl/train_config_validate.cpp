@@ -150,7 +150,6 @@ void TrainConfig::validate() const {
     ZERO_CHECK(device == "cuda", "cuda_graph applies to device = \"cuda\" only");
     ZERO_CHECK(accumulation == 1, "cuda_graph needs accumulation = 1, got ", accumulation);
     ZERO_CHECK(!offload_optimizer, "cuda_graph does not work with offload_optimizer (gradients go to the host)");
-    ZERO_CHECK(!activation_checkpointing, "cuda_graph does not work with activation_checkpointing yet");
     ZERO_CHECK(precision != "fp16", "cuda_graph needs precision bf16 or fp32 (fp16's loss scale changes between steps)");
   }
   ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");

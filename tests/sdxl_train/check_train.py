@@ -176,9 +176,6 @@ for name, args, reason in [("graph-cpu", ("--stage", "1", "--cuda_graph", "true"
                             ("graph-accumulation", ("--stage", "2", "--cuda_graph", "true", "--device", "cuda",
                                                     "--accumulation", "2"),
                              "cuda_graph needs accumulation = 1"),
-                            ("graph-ckpt", ("--stage", "1", "--cuda_graph", "true", "--device", "cuda",
-                                            "--activation_checkpointing", "true"),
-                             "cuda_graph does not work with activation_checkpointing"),
                             ("attention-bad", ("--attention", "fastest"), "attention: 'fastest' is not one of")]:
     code, output = run_expecting_failure(name, 1, *args)
     check(code != 0 and reason in output, f"{name}: refused, naming the reason ({reason})")

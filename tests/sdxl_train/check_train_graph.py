@@ -10,7 +10,10 @@ loss trajectories within 1e-6 relative, the exported weights within 3e-2
 (norm of the difference over the tensor's norm; stages 0-1 measure 1.1e-2:
 AdamW turns a last-bit gradient difference of a near-zero element into an
 lr-sized step).
-The graph run's images/s is printed beside the eager one's.
+The graph run's images/s is printed beside the eager one's. Then the same
+with activation checkpointing at stages 2 and 3 (the reentrant recompute,
+a backward inside backward, captured with the rest; at stage 3 the units'
+gathers for the recompute too).
 
 Exits 77 (skipped) without a visible GPU or with a CPU-only LibTorch.
 Usage: check_train_graph.py TRAIN MPIEXEC CONFIG WORK [MPI flags...]
@@ -63,9 +66,13 @@ def relative(a, b):
     return abs(a - b) / max(abs(a), 1e-30)
 
 
-for stage in ("0", "1", "2", "3"):
-    eager_dir, eager = train(f"stage{stage}-eager", "--stage", stage)
-    graph_dir, graph = train(f"stage{stage}-graph", "--stage", stage, "--cuda_graph", "true")
+CASES = [(stage, ()) for stage in ("0", "1", "2", "3")] + \
+        [(stage, ("--activation_checkpointing", "true")) for stage in ("2", "3")]
+for stage, extra in CASES:
+    name = f"stage{stage}" + ("-ckpt" if extra else "")
+    eager_dir, eager = train(f"{name}-eager", "--stage", stage, *extra)
+    graph_dir, graph = train(f"{name}-graph", "--stage", stage, "--cuda_graph", "true", *extra)
+    stage = f"{stage}{' with checkpointing' if extra else ''}"
     check(sorted(graph) == list(range(1, STEPS + 1)), f"stage {stage}: the graph run logged every step")
     worst = max(relative(eager[s]["loss"], graph[s]["loss"]) for s in eager)
     print(f"  stage {stage}: max relative loss difference, graph vs eager: {worst:.3e}")

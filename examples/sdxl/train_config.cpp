@@ -30,7 +30,7 @@ std::string show(const Field& field) {
       [](auto* p) -> std::string {
         std::ostringstream out;
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, std::string>) out << '"' << *p << '"';
+        if constexpr (std::is_same_v<T, std::string>) out << detail::toml_string(*p);
         else if constexpr (std::is_same_v<T, bool>) out << (*p ? "true" : "false");
         else out << *p;
         return out.str();
@@ -220,7 +220,7 @@ std::string TrainConfig::to_toml() const {
   }
   close_table();
   for (const OptimizerGroup& g : optimizer_groups) {
-    out << "\n[[optimizer.groups]]\nname = " << toml::value<std::string>(g.name) << "\nparams = " << pattern_list(g.params)
+    out << "\n[[optimizer.groups]]\nname = " << detail::toml_string(g.name) << "\nparams = " << pattern_list(g.params)
         << "\nlr_scale = " << g.lr_scale << "\n";
     if (g.weight_decay) out << "weight_decay = " << *g.weight_decay << "\n";
   }
@@ -228,11 +228,11 @@ std::string TrainConfig::to_toml() const {
 }
 
 std::string pattern_list(const std::vector<std::string>& patterns) {
-  toml::array array;
-  for (const std::string& p : patterns) array.push_back(p);
-  std::ostringstream text;
-  text << array;
-  return text.str();
+  // toml++'s own array layout, its strings escaped (detail::toml_string).
+  if (patterns.empty()) return "[]";
+  std::string text = "[ ";
+  for (std::size_t i = 0; i < patterns.size(); ++i) text += (i ? ", " : "") + detail::toml_string(patterns[i]);
+  return text + " ]";
 }
 
 std::optional<std::vector<std::string>> saved_freeze(const std::string& config_toml) {

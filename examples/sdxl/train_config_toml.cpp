@@ -1,6 +1,7 @@
 #include "train_config_toml.hpp"
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <utility>
@@ -165,6 +166,31 @@ std::string read_config_text(const std::string& path) {
   ZERO_CHECK(in.gcount() == static_cast<std::streamsize>(text.size()), "--config ", path, ": cannot read all of its ",
              bytes, " bytes");
   return text;
+}
+
+std::string toml_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\t': out += "\\t"; break;
+      case '\n': out += "\\n"; break;
+      case '\f': out += "\\f"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04X", static_cast<unsigned>(c));
+          out += escaped;
+        } else {
+          out += ch;  // UTF-8 passes as it is
+        }
+    }
+  }
+  return out + "\"";
 }
 
 }  // namespace sdxl::detail

@@ -28,4 +28,10 @@ toml::table parse_toml(std::string_view text, const std::string& origin);
 /// The text of a configuration file, its size checked before it is read.
 std::string read_config_text(const std::string& path);
 
+/// `text` as a TOML basic string ("..."), with '"', '\\' and every control
+/// character escaped: any text, a newline or "'''" included, reads back as
+/// itself. (toml++ 3.3's own printer writes a string holding a newline as a
+/// multi-line literal, which "'''" inside it breaks.)
+std::string toml_string(std::string_view text);
+
 }  // namespace sdxl::detail

@@ -253,13 +253,15 @@ int run(int argc, char** argv) {
 
   Json bucket_list = Json::array();
   for (const Bucket& b : buckets) bucket_list.push_back({b.height, b.width});
-  const Json settings_common{
+  Json settings_common{
       {"pipeline", o.models.pipeline.empty() ? "" : fs::absolute(o.models.pipeline).lexically_normal().string()},
       {"single_file", o.models.single_file.empty() ? "" : fs::absolute(o.models.single_file).lexically_normal().string()},
       {"tokenizers", {fs::absolute(o.models.tokenizer).lexically_normal().string(),
                       fs::absolute(o.models.tokenizer_2).lexically_normal().string()}},
       {"buckets", bucket_list}, {"flip", o.flip}, {"dtype", o.dtype}, {"save_dtype", o.save_dtype},
       {"max_image_pixels", o.max_image_pixels}, {"batch_size", o.batch_size}, {"shard_size", o.shard_size}};
+  if (!o.models.single_file_config.empty())  // absent otherwise: earlier runs' finished shards stay valid
+    settings_common["single_file_config"] = fs::absolute(o.models.single_file_config).lexically_normal().string();
   auto settings_of = [&](std::size_t k) {
     Json settings = settings_common;
     const ShardRange r = shard_range(k, shard_size, entries.size());

@@ -12,6 +12,10 @@ bool parse_options(int argc, char** argv, Options& o, int rank) {
   auto* single = app.add_option("--single_file", o.models.single_file, "original single-file SDXL checkpoint (.safetensors); "
                                                                 "needs --tokenizer and --tokenizer_2");
   pipeline->excludes(single);
+  app.add_option("--single_file_config", o.models.single_file_config,
+                 "with --single_file: a diffusers pipeline folder whose vae/, text_encoder/ and text_encoder_2/ "
+                 "config.json describe the file's models (default: SDXL 1.0's); its tokenizers serve as defaults")
+      ->needs(single);
   app.add_option("--tokenizer", o.models.tokenizer, "tokenizer folder (default: PIPELINE/tokenizer)");
   app.add_option("--tokenizer_2", o.models.tokenizer_2, "second tokenizer folder (default: PIPELINE/tokenizer_2)");
   app.add_option("--images", o.images, "folder of images (.jpg .jpeg .png .webp, searched recursively) with "

@@ -12,7 +12,9 @@ tests/fixtures/clip_tokenizer to the encoders' 1000-token vocabulary:
    expected crop (and of its mirror image for the flipped copy) times the
    scaling factor, the text tensors and the cached empty and validation
    prompts are the encoders' (through CachedDataset's accessors).
-4. -np 1 writes the same samples: index.json equal, shard files byte-equal.
+4. -np 1 writes the same samples: index.json equal, shard files byte-equal;
+   so does --single_file (the same models in an original single file) with
+   --single_file_config.
 5. Killed while recording shard 4 (ZERO_FAULT_KILL_DURING_WRITE) and shard 0
    damaged afterwards: the restart keeps exactly the other finished shards
    (same inode and mtime), encodes shards 0 and 4 again, and ends with the
@@ -20,7 +22,7 @@ tests/fixtures/clip_tokenizer to the encoders' 1000-token vocabulary:
 6. --bad_images refuse exits nonzero naming a bad file; no index.json.
 7. The trainer trains 2 steps on the dataset (2 ranks).
 
-  check_prepare.py PREPARE MAKE_IMAGES CHECK_VALUES TRAIN MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
+  check_prepare.py PREPARE MAKE_IMAGES MAKE_SINGLE_FILE CHECK_VALUES TRAIN MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
 """
 import hashlib
 import json
@@ -34,16 +36,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import tiny_pipeline  # noqa: E402
 from e2e_harness import check, finish, run  # noqa: E402
 
-PREPARE, MAKE_IMAGES, CHECK_VALUES, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:8]
-MPI_FLAGS = sys.argv[8:]
+PREPARE, MAKE_IMAGES, MAKE_SINGLE_FILE, CHECK_VALUES, TRAIN, MPIEXEC, SOURCE, WORK = sys.argv[1:9]
+MPI_FLAGS = sys.argv[9:]
 FIXTURES = os.path.join(SOURCE, "tests", "fixtures")
 BROKEN = {"truncated.jpg": "truncated JPEG", "truncated.png": "cannot decode PNG", "empty.png": "empty file",
           "cmyk.jpg": "CMYK", "deep.png": "16 bits", "huge.png": "too large", "anim.gif": "unsupported format",
           "garbage.png": "unsupported format", "truncated.webp": "WebP"}
 
 
-def prepare(ranks, output, *extra, env=None, expect_ok=True):
-    cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, PREPARE, "--pipeline", PIPELINE, "--images", IMAGES,
+def prepare(ranks, output, *extra, env=None, expect_ok=True, models=None):
+    models = models or ["--pipeline", PIPELINE]
+    cmd = [MPIEXEC, "-np", str(ranks), *MPI_FLAGS, PREPARE, *models, "--images", IMAGES,
            "--output", output, "--resolution", "32", "--bucket_step", "16", "--flip", "--shard_size", "5",
            "--batch_size", "3", "--save_dtype", "fp32", "--threads", "1", "--validation_prompts", PROMPTS, *extra]
     return run(cmd, env=env, expect_ok=expect_ok)
@@ -103,6 +106,18 @@ check(open(os.path.join(ds1, "index.json")).read() == open(os.path.join(ds3, "in
 check(dataset_files(ds1) == dataset_files(ds3) and
       all(digest(os.path.join(ds1, f)) == digest(os.path.join(ds3, f)) for f in dataset_files(ds1)),
       "every shard file of -np 1 is byte-equal to -np 3's")
+
+# 4b. The same models from an original single file (make_single_file: the
+# pipeline's VAE and text encoders under Stability AI's names, no config
+# metadata), described by --single_file_config: the same dataset, byte for byte.
+single = os.path.join(WORK, "original.safetensors")
+run([MAKE_SINGLE_FILE, PIPELINE, single])
+dss = os.path.join(WORK, "ds_single_file")
+prepare(1, dss, models=["--single_file", single, "--single_file_config", PIPELINE])
+check(open(os.path.join(dss, "index.json")).read() == open(os.path.join(ds1, "index.json")).read() and
+      dataset_files(dss) == dataset_files(ds1) and
+      all(digest(os.path.join(dss, f)) == digest(os.path.join(ds1, f)) for f in dataset_files(ds1)),
+      "--single_file --single_file_config writes the --pipeline dataset byte for byte")
 
 # 5. Killed while recording shard 4, then shard 0 damaged; restarted.
 dsk = os.path.join(WORK, "ds_killed")

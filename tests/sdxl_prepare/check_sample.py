@@ -90,7 +90,7 @@ check(not os.path.exists(png("x.png")), "no image after a refusal")
 
 # 5. An original single file.
 SINGLE = os.path.join(WORK, "original.safetensors")
-run([MAKE_SINGLE_FILE, PIPELINE, UNET, SINGLE])
+run([MAKE_SINGLE_FILE, PIPELINE, SINGLE, UNET])
 CONFIG = os.path.join(WORK, "single-file-config")  # a pipeline folder's configs, tokenizers and scheduler
 os.makedirs(os.path.join(CONFIG, "unet"))
 for name in os.listdir(PIPELINE):

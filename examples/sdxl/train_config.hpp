@@ -120,6 +120,13 @@ struct TrainConfig {
   /// encoders encode prompts the dataset has not cached, its scheduler config
   /// sets the noise schedule.
   std::string validation_pipeline;
+  /// Instead of validation_pipeline: an original single-file checkpoint's
+  /// VAE and text encoders (A1111/ComfyUI), with the architectures of
+  /// validation_single_file_config (a pipeline folder; empty: SDXL 1.0's) and
+  /// the tokenizer folders (needed to encode prompts the dataset has not
+  /// cached; default: the config folder's).
+  std::string validation_single_file, validation_single_file_config;
+  std::string validation_tokenizer, validation_tokenizer_2;
   std::int64_t validation_steps = 30;
   double validation_guidance = 5.0;
   std::int64_t validation_seed = 0;        // image i's initial noise: seed + i (the same at every validation)

@@ -112,6 +112,17 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"validation", "pipeline", &c.validation_pipeline,
        "diffusers SDXL pipeline folder: its VAE decodes the images, its text encoders encode prompts the dataset has "
        "not cached, its scheduler config gives the noise schedule", "validation_pipeline"},
+      {"validation", "single_file", &c.validation_single_file,
+       "instead of pipeline: an original single-file SDXL checkpoint (A1111/ComfyUI) whose VAE and text encoders "
+       "serve the same way", "validation_single_file"},
+      {"validation", "single_file_config", &c.validation_single_file_config,
+       "with single_file: a diffusers pipeline folder whose configs describe its models (default: SDXL 1.0's); its "
+       "tokenizers and scheduler serve as defaults", "validation_single_file_config"},
+      {"validation", "tokenizer", &c.validation_tokenizer,
+       "tokenizer folder (default: the pipeline's or single_file_config's tokenizer/)", "validation_tokenizer"},
+      {"validation", "tokenizer_2", &c.validation_tokenizer_2,
+       "second tokenizer folder (default: the pipeline's or single_file_config's tokenizer_2/)",
+       "validation_tokenizer_2"},
       {"validation", "steps", &c.validation_steps, "denoising steps per validation image", "validation_steps"},
       {"validation", "guidance", &c.validation_guidance, "classifier-free guidance scale (> 1 enables it)",
        "validation_guidance"},

@@ -80,9 +80,13 @@ void TrainConfig::validate() const {
              caption_dropout);
   ZERO_CHECK(validation_every >= 0, "[validation] every must be >= 0 (0: off), got ", validation_every);
   if (validation_every > 0) {
-    ZERO_CHECK(!validation_pipeline.empty(), "[validation] every = ", validation_every,
-               " needs [validation] pipeline (--validation_pipeline): the diffusers SDXL pipeline folder whose VAE "
-               "decodes the images");
+    ZERO_CHECK(!validation_pipeline.empty() || !validation_single_file.empty(), "[validation] every = ",
+               validation_every, " needs [validation] pipeline (--validation_pipeline): the diffusers SDXL pipeline "
+               "folder whose VAE decodes the images, or [validation] single_file (--validation_single_file)");
+    ZERO_CHECK(validation_pipeline.empty() || validation_single_file.empty(),
+               "[validation] pipeline and single_file exclude each other");
+    ZERO_CHECK(validation_single_file_config.empty() || !validation_single_file.empty(),
+               "[validation] single_file_config goes with [validation] single_file");
     ZERO_CHECK(validation_steps >= 1 && validation_steps <= 1000, "[validation] steps must be in [1, 1000], got ",
                validation_steps);
     ZERO_CHECK(std::isfinite(validation_guidance) && validation_guidance >= 0,

@@ -82,6 +82,12 @@ struct ValidationImages::State {
 
 namespace {
 
+/// Where the validation's models come from, for messages.
+std::string models_of(const TrainConfig& c) {
+  return c.validation_single_file.empty() ? "[validation] pipeline '" + c.validation_pipeline + "'"
+                                          : "[validation] single_file '" + c.validation_single_file + "'";
+}
+
 /// Rank `rank`'s prompts with their conditioning, from the cache where the
 /// text matches, the rest (and the negative prompt, when it is not zeros)
 /// from the pipeline's text encoders.
@@ -118,6 +124,10 @@ void condition_prompts(ValidationImages::State& s, const data::ValidationPrompts
   }
   const bool encode_negative = guided && !zeros_negative && !s.mine.empty();
   if (!to_encode.empty() || encode_negative) {
+    ZERO_CHECK(!s.source.tokenizer.empty() && !s.source.tokenizer_2.empty(), "[validation]: ",
+               to_encode.empty() ? "the negative prompt" : "prompt '" + s.mine[to_encode.front()].text + "'",
+               " is not in the dataset's cache and ", models_of(c), " holds no tokenizers: give [validation] "
+               "tokenizer and tokenizer_2, or single_file_config with them");
     const auto options = torch::TensorOptions().dtype(s.model.dtype).device(s.model.device);
     PromptEncoder encoder(s.source, options);
     // One prompt at a time, as the pipeline (and the sample tool) encodes them.
@@ -132,8 +142,7 @@ void condition_prompts(ValidationImages::State& s, const data::ValidationPrompts
     ZERO_CHECK(d.embeds.size(2) == text.width && d.pooled.size(1) == text.pooled_width,
                "[validation] prompt '", d.text, "': its conditioning is ", d.embeds.size(2), " wide with a pooled width of ",
                d.pooled.size(1), ", the UNet takes ", text.width, " and ", text.pooled_width,
-               ": the text encoders of [validation] pipeline '", c.validation_pipeline,
-               "' do not belong to this UNet");
+               ": the text encoders of ", models_of(c), " do not belong to this UNet");
 }
 
 }  // namespace
@@ -145,6 +154,10 @@ std::unique_ptr<ValidationImages> ValidationImages::create(const TrainConfig& c,
   auto s = std::make_unique<State>(State{.config = c, .model = model, .source = {}, .prompts = {}, .mine = {},
                                          .negative_embeds = {}, .negative_pooled = {}, .scheduler = {}});
   s->source.pipeline = c.validation_pipeline;
+  s->source.single_file = c.validation_single_file;
+  s->source.single_file_config = c.validation_single_file_config;
+  s->source.tokenizer = c.validation_tokenizer;
+  s->source.tokenizer_2 = c.validation_tokenizer_2;
   s->source.option_prefix = "[validation] ";
   s->source.resolve(/*needs_tokenizers=*/false);
   s->prompts = !c.validation_prompts.empty() ? c.validation_prompts
@@ -266,7 +279,7 @@ double ValidationImages::generate(std::int64_t done, zero::Engine& engine, zero:
       {"step", done}, {"weights", c.ema_decay > 0 ? "ema" : "trained"}, {"height", c.validation_height},
       {"width", c.validation_width}, {"steps", c.validation_steps}, {"guidance", c.validation_guidance},
       {"sampler", c.validation_sampler}, {"negative_prompt", c.validation_negative_prompt},
-      {"pipeline", c.validation_pipeline}, {"seconds", seconds},
+      {"pipeline", c.validation_pipeline}, {"single_file", c.validation_single_file}, {"seconds", seconds},
       {"seconds_by_phase", {{"unet_and_weights", phases[0]}, {"vae", phases[1]}, {"draw", phases[2]}}},
       {"images", images}};
   const std::string text = index.dump(2) + "\n";

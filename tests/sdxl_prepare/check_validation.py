@@ -13,9 +13,12 @@ pipeline (tiny_pipeline.py) and a tiny UNet of its text widths:
    a host thread while validation reads the weights) training is untouched too;
 5. prompts cached in the dataset (prepare --validation_prompts) are drawn
    without the pipeline's text encoders;
-6. bad settings stop the run before training, naming the key.
+6. [validation] single_file (the pipeline's VAE and text encoders in an
+   original single file, make_single_file) with single_file_config draws the
+   pipeline's images byte for byte;
+7. bad settings stop the run before training, naming the key.
 
-  check_validation.py TRAIN SAMPLE MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
+  check_validation.py TRAIN SAMPLE MAKE_SINGLE_FILE MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
 """
 import importlib.util
 import json
@@ -30,8 +33,8 @@ import tiny_pipeline  # noqa: E402
 from e2e_harness import check, finish, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
-TRAIN, SAMPLE, MPIEXEC, SOURCE, WORK = sys.argv[1:6]
-MPI_FLAGS = sys.argv[6:]
+TRAIN, SAMPLE, MAKE_SINGLE_FILE, MPIEXEC, SOURCE, WORK = sys.argv[1:7]
+MPI_FLAGS = sys.argv[7:]
 PROMPTS = ["a red fox in snow", "a blue house", "a green tree"]
 
 
@@ -153,14 +156,31 @@ index_file = os.path.join(e, "samples", "step-00000002", "index.json")
 check(os.path.exists(index_file) and [x["prompt"] for x in json.load(open(index_file))["images"]] == cached,
       "the dataset's cached prompts are drawn without text encoders")
 
-# 6. Refusals before training.
+# 6. The same models from an original single file: the same images.
+single = os.path.join(WORK, "original.safetensors")
+run([MAKE_SINGLE_FILE, PIPELINE, single])
+from_file = ["--validation_single_file", single, "--validation_single_file_config", PIPELINE]
+f = os.path.join(WORK, "f")
+train(f, 2, *[x for x in validation(2, *PROMPTS) if x not in ("--validation_pipeline", PIPELINE)], *from_file)
+check(all(os.path.exists(os.path.join(f, "samples", f"step-{step:08d}", n)) and
+          read(os.path.join(f, "samples", f"step-{step:08d}", n)) == images.get((step, n))
+          for step in (2, 4) for n in names),
+      "[validation] single_file + single_file_config: the pipeline's images, byte for byte")
+
+# 7. Refusals before training.
 for what, extra, fragment in (
         ("no pipeline", ["--validation_every", "2", "--validation_prompt", "x"], "[validation] pipeline"),
         ("no prompts", validation(2), "no prompts"),
         ("a pipeline that is not a folder", validation(2, "x")[:3] + [os.path.join(WORK, "nowhere")] +
          validation(2, "x")[4:], "nowhere"),
         ("an unknown sampler", validation(2, "x") + ["--validation_sampler", "ddim"], "[validation] sampler"),
-        ("a height not a multiple of 8", validation(2, "x", height=36), "[validation] height")):
+        ("a height not a multiple of 8", validation(2, "x", height=36), "[validation] height"),
+        ("pipeline and single_file", validation(2, "x") + ["--validation_single_file", single],
+         "[validation] pipeline and single_file exclude each other"),
+        ("single_file without tokenizers for an uncached prompt",
+         [x for x in validation(2, "x") if x not in ("--validation_pipeline", PIPELINE)] +
+         ["--validation_single_file", single, "--validation_single_file_config", no_text],
+         "holds no tokenizers: give [validation] tokenizer and tokenizer_2")):
     out = os.path.join(WORK, "refused")
     r = train(out, 1, *extra, expect_ok=False)
     text_out = r.stdout + r.stderr

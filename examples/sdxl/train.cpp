@@ -446,6 +446,7 @@ void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
     record.extra["timing/cpu_grad_stats_s"] = m.result.cpu_grad_stats_seconds;
     record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;
     if (cfg.offload_delayed_update) record.extra["timing/cpu_update_wait_s"] = m.result.cpu_update_wait_seconds;
+    if (cfg.offload_accumulate_on_host) record.extra["timing/host_add_wait_s"] = m.result.host_add_wait_seconds;
   }
   sinks.jsonl->write(record);
   sinks.tensorboard->add_scalars({{"train/loss", m.loss}, {"train/lr", m.lr}, {"train/grad_norm", m.result.grad_norm},

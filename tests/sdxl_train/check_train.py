@@ -157,6 +157,10 @@ gh = train("np2-stage3-delayed-host-accumulation", 2, "--stage", "3", "--offload
            "--offload_delayed_update", "true", "--accumulation", "2", "--batch_size", "2",
            "--offload_accumulate_on_host", "true")
 check(all(gh[s] == ga[s] for s in ga), "gradients accumulated on the host: the device-accumulated trajectory bit for bit")
+waits = [json.loads(line).get("timing/host_add_wait_s")
+         for line in open(os.path.join(WORK, "np2-stage3-delayed-host-accumulation", "metrics.jsonl"))]
+check(waits and all(isinstance(w, float) and 0 <= w < 60 for w in waits),
+      f"metrics.jsonl logs the wait for host additions at every logged step ({waits})")
 code, output = run_expecting_failure("host-accumulation-no-offload", 1, "--stage", "2", "--accumulation", "2",
                                      "--offload_accumulate_on_host", "true")
 check(code != 0 and "offload_accumulate_on_host needs offload_optimizer = true" in output,

@@ -70,6 +70,11 @@ struct StepResult {
   /// that step() joined (the previous step's), and this is how long step()
   /// waited for it: the part of the CPU update not hidden behind the device.
   double cpu_update_wait_seconds = 0;
+  /// offload.accumulate_on_host: how long the thread that drives the device
+  /// waited for host additions during this step's micro-steps (a bucket's
+  /// staging slice still being read, and the last micro-step's wait for all):
+  /// the part of the additions not hidden behind the device.
+  double host_add_wait_seconds = 0;
 };
 
 class Engine {

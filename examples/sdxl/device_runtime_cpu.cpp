@@ -3,6 +3,7 @@
 // configuration allows max_gpu_memory, cuda_graph and profile_step with
 // device = "cuda" alone, which the constructor refuses; they throw anyway.
 #include "device_runtime.hpp"
+#include "deterministic.hpp"
 
 #include "zero/core/error.hpp"
 
@@ -16,6 +17,7 @@ namespace {
 
 DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host) : host_(host) {
   if (cfg.device == "cuda") no_cuda("device = cuda");
+  use_deterministic_algorithms(cfg.deterministic);
   backend_ = zero::make_host_backend();
 }
 

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device_runtime.hpp"
+#include "deterministic.hpp"
 #include "tf32.hpp"
 #include "zero/comm/nccl_communicator.hpp"
 #include "zero/comm/staged_communicator.hpp"
@@ -19,6 +20,7 @@ namespace sdxl {
 // ------------------------------------------------------------------ the device
 
 DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host) : host_(host) {
+  use_deterministic_algorithms(cfg.deterministic);
   if (cfg.device != "cuda") {
     backend_ = zero::make_host_backend();
     return;
@@ -40,7 +42,8 @@ DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host
   }
   backend_ = zero::make_cuda_backend(index, at::cuda::getCurrentCUDAStream().stream());
   // Shapes are fixed per bucket: timing the algorithms once pays back.
-  at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark);
+  // (Deterministic runs: the autotuner's choice could differ from run to run.)
+  at::globalContext().setBenchmarkCuDNN(cfg.cudnn_benchmark && !cfg.deterministic);
   allow_tf32(cfg.tf32);  // strict fp32 unless [device] tf32 (LibTorch lets cuDNN use TF32 by default)
 }
 

@@ -148,6 +148,7 @@ struct TrainConfig {
   std::string attention = "default";   // scaled-dot-product attention kernel: default, flash, efficient, cudnn, math
   bool channels_last = false;          // convolutional path in NHWC (fused NHWC GroupNorm+SiLU on CUDA)
   bool cuda_graph = false;             // capture the micro-step once, replay it every step (any stage)
+  bool deterministic = false;          // deterministic kernels only: the same bits on every run, graph or eager
   std::int64_t profile_step = 0;       // write a Kineto trace of this step to output_dir (CUDA; 0: off)
 
   /// Keys of the options given as --key on the command line (not saved):

@@ -155,6 +155,11 @@ std::vector<Option> options_of(TrainConfig& c) {
        "capture the micro-step in a CUDA graph after the first step and replay it (no launch overhead): forward and "
        "backward at stages 0-1, the reductions and stage-3 gathers too at stages 2-3, and with activation "
        "checkpointing the recompute; needs accumulation 1, no offload, bf16 or fp32"},
+      {"device", "deterministic", &c.deterministic,
+       "deterministic kernels only, for runs that repeat bit for bit (and cuda_graph runs equal to eager ones): "
+       "cuDNN's deterministic algorithms with its autotuner off, cuBLAS with a fixed workspace "
+       "(CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), attention's deterministic backward; an operation without a "
+       "deterministic kernel stops the run with its name. Slower"},
       {"device", "profile_step", &c.profile_step,
        "write a Kineto trace of this step (rank 0, CUDA) to output_dir/profile-step-N.json (0: off)"},
   };

@@ -156,6 +156,9 @@ void TrainConfig::validate() const {
     ZERO_CHECK(!offload_optimizer, "cuda_graph does not work with offload_optimizer (gradients go to the host)");
     ZERO_CHECK(precision != "fp16", "cuda_graph needs precision bf16 or fp32 (fp16's loss scale changes between steps)");
   }
+  ZERO_CHECK(!(deterministic && attention == "cudnn"),
+             "deterministic = true and attention = \"cudnn\": cuDNN's attention has no deterministic backward; use "
+             "attention = \"default\", \"flash\", \"efficient\" or \"math\"");
   ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");
   ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The session-15 H200 call (2026-12-05): what session 13-14's calls left.
+#   PHASES="build graphtest fit calibrate" bash bench/gpu/run_session15_device.sh
+#  build: the cuda preset (TARGETS: only these; default every target);
+#  graphtest: gpu.sdxl.train_graph, graph vs eager with [device] deterministic
+#        (bit for bit at stages 0-3, with and without checkpointing);
+#  fit: the trainer's --fit 12GiB and 8GiB at global batch 8. The batch comes
+#        from the config file (sdxl-1024.toml with batch_size = 8), not the
+#        command line: --fit keeps options given on the command line, so the
+#        session-13 script's `--fit 12GiB --batch_size 8` pinned batch 8 and
+#        was refused (no configuration at micro-batch 8 fits 12 GiB);
+#  calibrate: sdxl-1024.toml, stage 0, batch 1 and 8 with per-layer units and
+#        batch 8 per block (as run_session13_device.sh's calibrate).
+# Logs, JSON lines and summary.json under $OUT/s15.
+set -uo pipefail
+NAME=s15 DEFAULT_PHASES="build graphtest fit calibrate"
+source bench/gpu/device_env.sh
+if has build; then build_targets ${TARGETS:-}; fi
+source bench/gpu/trainer_run.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+if has graphtest; then run_gpu_tests "gpu.sdxl.train_graph"; cp "$OUT_DIR/ctest.log" "$OUT_DIR/ctest-train-graph.log"; fi
+if has fit; then
+  gb8=/tmp/sdxl-1024-gb8.toml
+  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  grep -q '^batch_size = 8$' "$gb8" || say "could not set batch_size = 8 in $gb8"
+  CONFIG=$gb8 run_trainer "sdxl-fit-12GiB-gb8" 300 --fit 12GiB
+  CONFIG=$gb8 run_trainer "sdxl-fit-8GiB-gb8" 300 --fit 8GiB
+fi
+if has calibrate; then
+  for batch in 1 8; do
+    run_trainer "sdxl-calib-stage0-b$batch-layers" 240 --stage 0 --batch_size "$batch" --units layers
+  done
+  run_trainer "sdxl-calib-stage0-b8-blocks" 240 --stage 0 --batch_size 8 --units blocks
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+say "done"

@@ -4,7 +4,7 @@
 #  build: the cuda preset (TARGETS: only these; default every target);
 #  graphtest: gpu.sdxl.train_graph, graph vs eager with [device] deterministic
 #        (bit for bit at stages 0-3, with and without checkpointing);
-#  fit: the trainer's --fit 12GiB and 8GiB at global batch 8. The batch comes
+#  fit: the trainer's --fit 12GiB, 8GiB and 24GiB at global batch 8. The batch comes
 #        from the config file (sdxl-1024.toml with batch_size = 8), not the
 #        command line: --fit keeps options given on the command line, so the
 #        session-13 script's `--fit 12GiB --batch_size 8` pinned batch 8 and
@@ -25,6 +25,7 @@ if has fit; then
   grep -q '^batch_size = 8$' "$gb8" || say "could not set batch_size = 8 in $gb8"
   CONFIG=$gb8 run_trainer "sdxl-fit-12GiB-gb8" 300 --fit 12GiB
   CONFIG=$gb8 run_trainer "sdxl-fit-8GiB-gb8" 300 --fit 8GiB
+  CONFIG=$gb8 run_trainer "sdxl-fit-24GiB-gb8" 300 --fit 24GiB
 fi
 if has calibrate; then
   for batch in 1 8; do

@@ -63,7 +63,7 @@ inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.
 /// by 1.33), unet_bench's 0.0392 s per sample beyond; x 1.33 with
 /// checkpointing; 0.04 s per step for the device AdamW + EMA. Offload: the
 /// host's AdamW + EMA ran at 2.25 G elements/s (1.14 s per step for 2.57 B),
-/// PCIe at 50 GB/s.
+/// PCIe at 50 GB/s, stage 3's parameter uploads (offload_params) at 24.3.
 inline zero::plan::SpeedModel speed_model() {
   zero::plan::SpeedModel s;
   s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.30x at batch 8
@@ -81,6 +81,11 @@ inline zero::plan::SpeedModel speed_model() {
   // rate on the 2-core CI machine (6.7 vs 1.45 G elements/s), applied to 2.25.
   s.cpu_add_elements_per_second = 10e9;
   s.pcie_bytes_per_second = 50e9;
+  // Stage 3 with offload_params and checkpointing (bench/results/session15):
+  // forward + backward took 0.379 s per micro-step more than the model's
+  // compute at batch 8 and 0.466 s at batch 2 x 4, for 2 x 5.13 GB of bf16
+  // parameters: 27 and 22 GB/s; the mean of the two exposed times.
+  s.param_gather_bytes_per_second = 24.3e9;
   s.reference_param_count = kSdxlParams;
   return s;
 }

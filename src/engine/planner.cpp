@@ -51,6 +51,8 @@ void PlanInput::validate() const {
   ZERO_CHECK(activations.area_scale > 0 && std::isfinite(activations.area_scale),
              "plan: activations.area_scale must be positive");
   ZERO_CHECK(activations.reference_dtype_bytes >= 1, "plan: activations.reference_dtype_bytes must be >= 1");
+  ZERO_CHECK(speed.pcie_bytes_per_second > 0 && speed.param_gather_bytes_per_second >= 0,
+             "plan: speed.pcie_bytes_per_second must be > 0 and param_gather_bytes_per_second >= 0");
   ZERO_CHECK(speed.gpu_seconds_per_step >= 0 && speed.gpu_seconds_per_sample >= 0 &&
                  speed.gpu_seconds_per_step + speed.gpu_seconds_per_sample > 0,
              "plan: speed.gpu_seconds_per_step and gpu_seconds_per_sample must be >= 0, not both 0");
@@ -245,7 +247,9 @@ double Plan::seconds_per_step() const {
     offload = std::max(shard * ranks_per_host / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
-    if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / s.pcie_bytes_per_second;
+    const double gather_rate = s.param_gather_bytes_per_second > 0 ? s.param_gather_bytes_per_second
+                                                                    : s.pcie_bytes_per_second;
+    if (input.engine.offload.params) gathers = 2.0 * input.engine.accumulation_steps * shard * p / gather_rate;
     // Accumulating on the host: every micro-step after the first goes down
     // too (counted as not hidden, as the uploads are), and the adder thread
     // adds it into the host shard while the device computes on.

@@ -102,6 +102,11 @@ struct SpeedModel {
   double reference_param_count = 0.0;
   double cpu_elements_per_second = 3e9;  // CPU AdamW (+ EMA) per host, offload
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
+  /// offload.params: the parameter uploads of stage 3's gathers (forward and
+  /// backward of each micro-step), counted as not hidden by compute. They go
+  /// up unit by unit as the schedule asks for them, far below the bulk rate
+  /// (SDXL on the H200: 22-27 GB/s effective against 50). 0: the bulk rate.
+  double param_gather_bytes_per_second = 0.0;
   /// offload.accumulate_on_host: the CPU's gradient additions per host
   /// (dst += src in the gradient dtype), on the thread that drives the GPU.
   double cpu_add_elements_per_second = 10e9;

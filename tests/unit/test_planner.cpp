@@ -553,3 +553,35 @@ TEST_CASE("plan speed: measured micro-step times for small batches, the device o
   in.speed.pcie_bytes_per_second = 1e30;
   CHECK(seconds(1, 8) == doctest::Approx(2.4));
 }
+
+TEST_CASE("plan speed: stage 3's parameter uploads at their own rate, the bulk rate when it is not given") {
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 1;
+  in.batch = 2;
+  in.engine.stage = 3;
+  in.engine.accumulation_steps = 4;
+  in.engine.offload.optimizer = true;
+  in.engine.offload.params = true;
+  in.engine.offload.delayed_update = true;  // the downloads and the update beside the micro-steps
+  in.speed = plan::SpeedModel{};
+  in.speed.gpu_seconds_per_step = 0.1;
+  in.speed.gpu_seconds_per_sample = 0.05;
+  in.speed.checkpointing_factor = 1.0;
+  in.speed.stage3_gather_cost = 0.0;
+  in.speed.cpu_elements_per_second = 1e30;  // the update costs nothing: the device side is the step
+  in.speed.pcie_bytes_per_second = 50e9;
+  const double padded = static_cast<double>(plan::make_plan(in).padded_numel);
+  // Forward and backward gather every bf16 parameter, each of 4 micro-steps.
+  const double uploaded = 2.0 * 4 * padded * 2;
+  const double compute = 4 * (0.1 + 0.05 * 2);
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(compute + uploaded / 50e9));
+  in.speed.param_gather_bytes_per_second = 20e9;
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(compute + uploaded / 20e9));
+  in.engine.offload.params = false;  // no gathers from the host: the rate does not matter
+  in.speed.param_gather_bytes_per_second = 1e3;
+  const double without = plan::make_plan(in).seconds_per_step();
+  in.speed.param_gather_bytes_per_second = 0;
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(without));
+  in.speed.param_gather_bytes_per_second = -1;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("param_gather_bytes_per_second"), zero::InvalidArgument);
+}

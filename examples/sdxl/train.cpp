@@ -32,9 +32,6 @@
 #include "data/synthetic.hpp"           // SyntheticDataset
 #include "device_runtime.hpp"           // DeviceRuntime, GraphedMicroStep
 #include "diffusion.hpp"                // NoiseSchedule, diffusion_loss, learning_rate
-#include "metrics/jsonl_writer.hpp"     // metrics.jsonl
-#include "metrics/progress.hpp"         // the progress line, Ema
-#include "metrics/tensorboard_writer.hpp"
 #include "profile_trace.hpp"            // Kineto trace of one step
 #include "stop_signals.hpp"             // SIGTERM/SIGINT/SIGUSR1: checkpoint and stop at a step boundary
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
@@ -43,6 +40,7 @@
 #include "train_export.hpp"             // export_unets, check_export_options, write_export_check, write_loss_plot
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_lora.hpp"               // [lora]: adapters on the frozen UNet, their export
+#include "train_metrics.hpp"            // MetricsSinks, StepMeasures, record_step: what rank 0 records
 #include "train_model.hpp"              // ModelOnEngine: the UNet bound to the engine
 #include "train_validation.hpp"         // [validation]: sample images while training
 #include "torch_errors.hpp"             // with_torch_errors: LibTorch's errors in one line
@@ -235,28 +233,6 @@ TrainData open_data(const TrainConfig& cfg, ModelOnEngine& m, zero::Communicator
   return d;
 }
 
-// ------------------------------------------------------------------ metrics (rank 0)
-
-struct MetricsSinks {
-  MetricsSinks(const TrainConfig& cfg, const Resumed& resumed, const zero::MpiCommunicator& host_comm) {
-    const bool leader = host_comm.rank() == 0;
-    fs::create_directories(cfg.output_dir);
-    if (leader) {
-      jsonl.emplace(fs::path(cfg.output_dir) / "metrics.jsonl");
-      jsonl->truncate_after(resumed.step);  // a resumed run rewrites the steps after its checkpoint
-      tensorboard.emplace(fs::path(cfg.output_dir) / "tensorboard");
-      if (resumed.step > 0) tensorboard->add_session_start(resumed.step + 1);
-    }
-    tty = leader && metrics::is_tty(stdout) && host_comm.size() == 1;
-  }
-
-  std::optional<metrics::JsonlWriter> jsonl;
-  std::optional<metrics::TensorBoardWriter> tensorboard;
-  metrics::ProgressLine progress;
-  metrics::Ema loss_ema{0.9};
-  bool tty = false;
-};
-
 // ------------------------------------------------------------------ the training loop
 
 /// What the phases above built, for the step loop and the export.
@@ -274,12 +250,6 @@ struct Run {
 
   zero::adapter::ShardedModel& sharded() { return *model.sharded; }
 };
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double>(to - from).count();
-}
 
 struct StepLoop {
   explicit StepLoop(Run& run)
@@ -404,81 +374,6 @@ void count_skipped_step(Run& run, StepLoop& loop, const zero::StepResult& result
   std::fflush(stdout);
 }
 
-/// One step as rank 0 records it; losses and memory are over all ranks.
-struct StepMeasures {
-  std::int64_t done = 0;  // steps done, 1-based as logged
-  double loss = 0, lr = 0, images_per_s = 0;
-  double mem_max_bytes = 0, mem_min_bytes = 0;
-  std::int64_t captions_dropped = 0;  // over all ranks and micro-steps
-  zero::StepResult result;
-  Clock::time_point step_start, step_call;
-  double step_call_seconds = 0;
-  metrics::RankImbalance imbalance;  // this step's phases over all ranks
-};
-
-/// metrics.jsonl, TensorBoard, and the progress line every log_every steps.
-void record_step(Run& run, const StepLoop& loop, const StepMeasures& m) {
-  const TrainConfig& cfg = run.cfg;
-  MetricsSinks& sinks = run.metrics;
-  metrics::StepRecord record;
-  record.step = m.done;
-  record.loss = m.loss;
-  record.lr = m.lr;
-  record.grad_norm = m.result.grad_norm;
-  record.images_per_s = m.images_per_s;
-  record.mem_max_bytes = static_cast<std::uint64_t>(m.mem_max_bytes);
-  record.mem_min_bytes = static_cast<std::uint64_t>(m.mem_min_bytes);
-  record.loss_scale = m.result.loss_scale;
-  record.skipped_steps = run.sharded().engine().steps_skipped();
-  record.elapsed_s = seconds_between(loop.start, Clock::now());
-  record.extra["epoch"] = run.data.epochs.progress(m.done);  // epochs done after this step (fraction: of the next)
-  // Where a step's time goes (rank 0): forward/backward until the last
-  // loss is read back, the host time of step() (with offload: the CPU
-  // update, of which the gradient statistics and the update loop).
-  if (cfg.caption_dropout > 0) record.extra["data/captions_dropped"] = static_cast<double>(m.captions_dropped);
-  record.extra["timing/fwd_bwd_s"] = seconds_between(m.step_start, m.step_call);
-  record.extra["timing/step_call_s"] = m.step_call_seconds;
-  // Load imbalance: each phase's min/max over ranks, waits for collectives
-  // taken out of forward+backward and the optimizer (examples/sdxl/README.md,
-  // "Load imbalance").
-  for (const auto& [key, value] : metrics::imbalance_scalars(m.imbalance)) record.extra[key] = value;
-  if (cfg.offload_optimizer) {
-    record.extra["timing/cpu_grad_stats_s"] = m.result.cpu_grad_stats_seconds;
-    record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;
-    if (cfg.offload_delayed_update) record.extra["timing/cpu_update_wait_s"] = m.result.cpu_update_wait_seconds;
-    if (cfg.offload_accumulate_on_host) record.extra["timing/host_add_wait_s"] = m.result.host_add_wait_seconds;
-  }
-  sinks.jsonl->write(record);
-  sinks.tensorboard->add_scalars({{"train/loss", m.loss}, {"train/lr", m.lr}, {"train/grad_norm", m.result.grad_norm},
-                                  {"train/images_per_s", m.images_per_s}, {"train/mem_max_bytes", m.mem_max_bytes},
-                                  {"imbalance/fwd_bwd_max_s", m.imbalance.fwd_bwd.max},
-                                  {"imbalance/fwd_bwd_min_s", m.imbalance.fwd_bwd.min},
-                                  {"imbalance/comm_wait_max_s", m.imbalance.comm_wait.max},
-                                  {"imbalance/slowest_rank", static_cast<double>(m.imbalance.slowest_rank)}},
-                                 m.done);
-  if (m.done % cfg.log_every == 0 || m.done == run.data.steps) {
-    metrics::Progress p{.step = m.done, .total_steps = run.data.steps, .start_step = run.data.resumed.step,
-                        .epoch = record.extra.at("epoch"),
-                        .loss = m.loss, .loss_ema = sinks.loss_ema.value(), .lr = m.lr,
-                        .images_per_s = m.images_per_s, .mem_max_bytes = static_cast<std::uint64_t>(m.mem_max_bytes),
-                        .mem_min_bytes = static_cast<std::uint64_t>(m.mem_min_bytes), .elapsed_s = *record.elapsed_s,
-                        .imbalance = m.imbalance};
-    const std::string line = sinks.progress.render(p, sinks.tty ? metrics::terminal_width(stdout) : 0);
-    std::printf("%s\n", line.c_str());  // one line per interval: mpirun relays lines, not '\r'
-    std::fflush(stdout);
-  }
-}
-
-/// Every rank's phase times of this step, in one all-gather of three floats
-/// per rank over the host communicator (metrics/rank_timing.hpp).
-metrics::RankImbalance gather_phase_times(zero::MpiCommunicator& host_comm, const metrics::PhaseTimes& mine) {
-  float own[metrics::kPhaseValues];
-  metrics::pack(mine, own);
-  std::vector<float> all(metrics::kPhaseValues * static_cast<std::size_t>(host_comm.size()));
-  host_comm.all_gather(own, all.data(), metrics::kPhaseValues, zero::DType::fp32)->wait();
-  return metrics::summarize_ranks(all);
-}
-
 enum class StepsEnd { finished, stopped_as_asked, stopped_by_signal };
 
 /// A stop signal reached some rank during step `done`: every rank checkpoints
@@ -591,7 +486,11 @@ StepsEnd train_steps(Run& run) {
     m.captions_dropped = std::llround(stats[1] * run.world);
     run.metrics.loss_ema.update(m.loss);
     m.done = step + 1;
-    if (run.leader) record_step(run, loop, m);
+    if (run.leader)
+      record_step(cfg, run.metrics,
+                  {.total_steps = steps, .start_step = run.data.resumed.step, .epochs = epochs, .start = loop.start,
+                   .steps_skipped = engine.steps_skipped()},
+                  m);
     if (const int signal = static_cast<int>(maxima[1]); signal != 0) {
       stop_after_signal(run, loop, m.done, signal);
       return StepsEnd::stopped_by_signal;
@@ -693,7 +592,7 @@ int main(int argc, char** argv) {
         {.config = model.config, .parameter_names = model.parameter_names, .device = runtime.device(),
          .dtype = model.compute_type},
         host_comm);
-    MetricsSinks metrics(cfg, data.resumed, host_comm);
+    MetricsSinks metrics(cfg, data.resumed.step, host_comm);
 
     Run run{.cfg = cfg, .host_comm = host_comm, .runtime = runtime, .model = model, .faults = faults,
             .data = data, .metrics = metrics, .validation = validation.get(), .world = host_comm.size(),

@@ -502,11 +502,18 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
               out.push_back(candidate(std::move(in), options, limit));
             }
       }
-  // Most images per second first (at one batch: least time per sample);
-  // equal speed: less memory first.
+  // Most images per second first (at one batch: least time per sample).
+  // Equal speed (the CPU update bounds the step, whatever the device does):
+  // fewer micro-steps first, then less memory. The model does not see that
+  // the update's threads slow the launches of small micro-batches beside
+  // them: SDXL at 24 GiB on the H200 (bench/results/session15-h200.md), all
+  // three predicted 7.01 images/s, measured 7.14 at batch 8, 7.10 at 4 x 2
+  // and about 5.4 at 2 x 4.
   std::stable_sort(out.begin(), out.end(), [](const FitResult::Candidate& a, const FitResult::Candidate& b) {
     const double ra = a.plan.images_per_second(), rb = b.plan.images_per_second();
     if (std::abs(ra - rb) > 1e-9 * std::max(ra, rb)) return ra > rb;
+    const int ma = a.plan.input.engine.accumulation_steps, mb = b.plan.input.engine.accumulation_steps;
+    if (ma != mb) return ma < mb;
     return a.plan.gpu_peak() < b.plan.gpu_peak();
   });
   return out;

@@ -585,3 +585,37 @@ TEST_CASE("plan speed: stage 3's parameter uploads at their own rate, the bulk r
   in.speed.param_gather_bytes_per_second = -1;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("param_gather_bytes_per_second"), zero::InvalidArgument);
 }
+
+TEST_CASE("fit: equal predicted speed goes to fewer micro-steps, then less memory") {
+  // The CPU update bounds every offloaded configuration's step: the model
+  // predicts the same images/s for any split of the global batch. The
+  // launches of small micro-batches slow down beside the update's threads
+  // (measured on the H200), which the model does not see: fewer micro-steps
+  // first.
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 1;
+  in.engine.ema.decay = 0.9999;
+  plan::FitOptions options;
+  options.global_batch = 8;
+  const plan::FitResult r = plan::fit(in, 24 * kGiB, options);  // SDXL with EMA: only offload fits
+  REQUIRE(r.best.has_value());
+  CHECK(r.best->input.engine.offload.optimizer);
+  CHECK(r.best->input.engine.offload.delayed_update);
+  const double best = r.best->images_per_second();
+  int tied = 0;
+  for (std::size_t i = 1; i < r.candidates.size(); ++i) {
+    const auto& a = r.candidates[i - 1].plan;
+    const auto& b = r.candidates[i].plan;
+    if (b.images_per_second() != doctest::Approx(a.images_per_second()).epsilon(1e-12)) continue;
+    if (a.images_per_second() == doctest::Approx(best).epsilon(1e-12)) ++tied;
+    CHECK(a.input.engine.accumulation_steps <= b.input.engine.accumulation_steps);
+    if (a.input.engine.accumulation_steps == b.input.engine.accumulation_steps) CHECK(a.gpu_peak() <= b.gpu_peak());
+  }
+  CHECK(tied > 0);  // the case above is a tie at all
+  int fewest = 1 << 30;  // micro-steps of the fitting configurations as fast as the best
+  for (const auto& c : r.candidates)
+    if (c.fits && c.plan.images_per_second() == doctest::Approx(best).epsilon(1e-12))
+      fewest = std::min(fewest, c.plan.input.engine.accumulation_steps);
+  CHECK(r.best->input.engine.accumulation_steps == fewest);
+  CHECK(fewest < 8);  // not the smallest micro-batch, as less memory first would take
+}

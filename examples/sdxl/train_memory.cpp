@@ -191,7 +191,7 @@ FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput
   out << "--- fit = " << c.fit << ": resuming, so nothing is searched: the run keeps the checkpoint's settings (its "
       << "global batch and data order)\n  " << d.plan.trainer_options() << "\n  predicted peak " << peak_range(d.plan)
       << " per rank, predicted " << images_per_second(d.plan)
-      << " images/s (speed model, not validated across batches)\n  changed from the configuration: "
+      << " images/s (speed model calibrated on an H200; its measured errors: docs/planner.md)\n  changed from the configuration: "
       << changes(c, kept) << "\n";
   if (!pinned_keys.empty()) out << "  kept as given on the command line: " << pinned_keys << "\n";
   out << "---\n";
@@ -278,7 +278,7 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
       << " (" << c.fit << " less a " << search.safety_margin * 100 << "% margin; zero-plan --fit " << c.fit
       << " --global-batch " << search.global_batch << " ranks the same)\n  chosen: " << chosen->plan.trainer_options()
       << "\n  predicted peak " << peak_range(chosen->plan) << " per rank, predicted " << images_per_second(chosen->plan)
-      << " images/s (speed model, not validated across batches)\n  the configuration as given ("
+      << " images/s (speed model calibrated on an H200; its measured errors: docs/planner.md)\n  the configuration as given ("
       << as_given.trainer_options() << "): predicted peak up to " << zero::format_bytes(as_given.gpu_peak()) << ", "
       << images_per_second(as_given) << " images/s\n  changed from the configuration: " << changes(c, applied) << "\n";
   for (const std::string& s : skipped) out << "  passed over (faster, fits): " << s << "\n";

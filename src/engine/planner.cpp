@@ -594,7 +594,7 @@ std::string FitResult::summary() const {
         << options.safety_margin * 100 << "% margin): " << best->label() << ", predicted peak "
         << format_bytes(peak_of(*best, options)) << " per GPU, relative time per sample " << std::fixed
         << std::setprecision(2) << best->relative_time() << ", predicted " << best->images_per_second()
-        << " images/s (speed model, not validated across batches); trainer: " << best->trainer_options();
+        << " images/s (speed model calibrated on an H200; its measured errors: docs/planner.md); trainer: " << best->trainer_options();
     return out.str();
   }
   out << "nothing fits " << format_bytes(gpu_bytes) << " (" << format_bytes(limit) << " usable with a "

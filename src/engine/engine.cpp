@@ -194,6 +194,22 @@ void Engine::Impl::wait_for_collective(Work& work) {
   comm_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+void Engine::Impl::check_gather_later(WorkPtr work) {
+  if (comm.memory_kind() == MemoryKind::host || capturing) {
+    wait_for_collective(*work);  // while capturing: detached, ordered on the device
+    return;
+  }
+  gathers_to_check.push_back(std::move(work));
+  while (gathers_to_check.size() > kGathersAheadOfHost) {
+    wait_for_collective(*gathers_to_check.front());
+    gathers_to_check.pop_front();
+  }
+}
+
+void Engine::Impl::check_gathers() {
+  for (; !gathers_to_check.empty(); gathers_to_check.pop_front()) wait_for_collective(*gathers_to_check.front());
+}
+
 void Engine::Impl::finish_param_gather(std::size_t b) {
   if (!param_gathers[b]) return;
   wait_for_collective(*param_gathers[b]);
@@ -453,14 +469,13 @@ void Engine::gather_unit(std::size_t unit) {
     return;
   }
   prefetch_unit(unit);
-  bool waited = false;
+  bool issued = false;
   for (WorkPtr* work : {&m.unit_work[unit], m.has_frozen() ? &m.frozen_unit_work[unit] : nullptr}) {
     if (!work || !*work) continue;
-    m.wait_for_collective(**work);
-    work->reset();
-    waited = true;
+    m.check_gather_later(std::move(*work));
+    issued = true;
   }
-  if (waited) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
+  if (issued) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
   ++m.unit_refs[unit];
 }
 

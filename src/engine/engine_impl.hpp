@@ -143,6 +143,20 @@ struct Engine::Impl {
   std::vector<std::byte*> unit_buffer;
   std::vector<int> unit_refs;
   std::vector<WorkPtr> unit_work;
+  /// Stage 3 on a device communicator: a unit's gather is ordered before its
+  /// use on the device (order_after), so the host does not wait for it when
+  /// the unit is entered. Waiting there drained the queue of launched kernels
+  /// at every unit, and launch-bound micro-steps (small batches) and
+  /// offloaded parameters' uploads paid for it. The host still waits for each
+  /// gather (its errors, the communicator's timeout: a failed peer must not
+  /// leave this rank hanging) kGathersAheadOfHost units later, when it has
+  /// normally long completed, and for all of them at the end of a micro-step.
+  static constexpr std::size_t kGathersAheadOfHost = 2;
+  std::deque<WorkPtr> gathers_to_check;
+  /// A host communicator's gather is waited for at once (the host computes
+  /// with its result next); a device one's joins gathers_to_check.
+  void check_gather_later(WorkPtr work);
+  void check_gathers();
 
   void finish_param_gather(std::size_t b);
   void finish_param_gathers();

@@ -22,6 +22,7 @@ void Engine::begin_graph_capture() {
   ZERO_CHECK(m.prepared_for_capture, "begin_graph_capture: call prepare_graph_replay() before the capture begins "
              "(the work outside the graph must be ordered before it)");
   m.prepared_for_capture = false;
+  m.check_gathers();  // none of the eager gathers is left to a check inside the capture
   m.capturing = true;
   m.pool.begin_capture();
   // The comm stream joins the capture: everything the micro-step queues on

@@ -190,6 +190,7 @@ void Engine::finish_micro_step() {
     m.issue_reduce(b);
   }
   m.complete_all();
+  m.check_gathers();  // stage 3's gathers of this micro-step, checked before it counts as done
   if (last_micro_step) m.finish_host_additions();  // the step reads the host gradients next
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.

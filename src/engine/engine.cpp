@@ -219,6 +219,9 @@ void Engine::Impl::finish_param_gather(std::size_t b) {
 
 void Engine::Impl::finish_param_gathers() {
   for (std::size_t b = 0; b < param_gathers.size(); ++b) finish_param_gather(b);
+  // Stage 3's unit gathers too: with offload_params they read the host shard
+  // that the CPU update writes, and every caller is about to touch the state.
+  check_gathers();
 }
 
 void Engine::Impl::settle() {

@@ -549,8 +549,7 @@ StepResult Engine::step() {
   const bool proceed = scaler_.update(nonfinite) && !nonfinite;
   m.updater->finish_previous(result);
   if (m.host_adder) {
-    result.host_add_wait_seconds = m.host_adder->wait_seconds() - m.host_add_wait_reported;
-    m.host_add_wait_reported = m.host_adder->wait_seconds();
+    result.host_add_wait_seconds = m.host_adder->take_wait_seconds();
   }
   result.loss_scale = scaler_.scale();
   result.grad_norm = nonfinite ? std::numeric_limits<double>::infinity() : std::sqrt(global[0]) / divisor;

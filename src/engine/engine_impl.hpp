@@ -122,7 +122,6 @@ struct Engine::Impl {
   // last one that reads its staging slice (0: none in flight).
   std::unique_ptr<detail::HostAdder> host_adder;
   std::vector<std::uint64_t> staging_add;
-  double host_add_wait_reported = 0;  // host_adder->wait_seconds() as the last step() reported it
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);

@@ -19,6 +19,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "zero/engine/backend.hpp"
 
@@ -40,8 +41,9 @@ class HostAdder {
   /// are done; rethrows what an addition threw. Ticket 0: nothing to wait for.
   void wait(std::uint64_t ticket);
   void wait_all();
-  /// Host seconds spent blocked in wait / wait_all so far.
-  double wait_seconds() const { return wait_seconds_; }
+  /// Host seconds spent blocked in wait / wait_all since the last call
+  /// (each step reports its own).
+  double take_wait_seconds() { return std::exchange(wait_seconds_, 0.0); }
 
  private:
   struct Job {

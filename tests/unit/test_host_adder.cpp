@@ -53,7 +53,8 @@ TEST_CASE("host adder: additions in queue order, the same bits as on the calling
     CHECK_MESSAGE(std::memcmp(sums[b].data(), expected[b].data(), kElements * 2) == 0, "bucket ", b);
   adder.wait(0);  // nothing to wait for
   adder.wait_all();  // nothing queued
-  CHECK(adder.wait_seconds() >= 0);
+  CHECK(adder.take_wait_seconds() >= 0);
+  CHECK(adder.take_wait_seconds() == 0);  // taken: the next step starts from nothing
 }
 
 TEST_CASE("host adder: an addition's error reaches every later wait") {

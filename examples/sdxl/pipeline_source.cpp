@@ -89,7 +89,8 @@ UNet2DConditionModel load_source_unet(const PipelineSource& source, const std::s
   if (path != source.single_file) return load_unet(path, options);
   const auto config = source.single_file_component_config("unet");
   return load_single_file_model(source, [&] {
-    return config ? load_unet(path, options, UNetConfig::from_json(config->first)) : load_unet(path, options);
+    return config ? load_unet(path, options, UNetConfig::from_json(config->first, config->second))
+                  : load_unet(path, options);
   });
 }
 

@@ -381,6 +381,14 @@ UNetConfig UNetConfig::from_json(std::string_view json_text) {
   return c;
 }
 
+UNetConfig UNetConfig::from_json(std::string_view json_text, const std::string& source) {
+  try {
+    return from_json(json_text);
+  } catch (const zero::InvalidArgument& e) {
+    ZERO_THROW(zero::InvalidArgument, source, ": ", e.message());
+  }
+}
+
 void UNetConfig::validate() const {
   const std::size_t n = down_block_types.size();
   ZERO_CHECK(n > 0, "UNet config: 'down_block_types' must not be empty");

@@ -109,6 +109,9 @@ struct UNetConfig {
   /// unknown keys and values this model does not implement throw
   /// zero::InvalidArgument naming the key.
   static UNetConfig from_json(std::string_view json_text);
+  /// The same, its errors prefixed with where the text came from (a file's
+  /// path, or "FILE metadata 'config'").
+  static UNetConfig from_json(std::string_view json_text, const std::string& source);
 
   /// A diffusers-style config.json for this config (round-trips through from_json).
   std::string to_json() const;

@@ -313,15 +313,17 @@ UNetConfig read_unet_config(const fs::path& path) {
   if (fs::is_directory(path)) {
     const fs::path config = unet_folder(path) / "config.json";
     if (!fs::is_regular_file(config)) ZERO_THROW(zero::IoError, "'", path.string(), "' has no config.json");
-    return UNetConfig::from_json(read_config_file(config));
+    return UNetConfig::from_json(read_config_file(config), config.string());
   }
   // A diffusers config.json itself (its name may be anything ending in .json).
-  if (lower_extension(path) == ".json") return UNetConfig::from_json(read_config_file(path));
+  if (lower_extension(path) == ".json") return UNetConfig::from_json(read_config_file(path), path.string());
   const SafeTensorsFile file = SafeTensorsFile::open(path);
-  if (auto it = file.metadata().find("config"); it != file.metadata().end()) return UNetConfig::from_json(it->second);
+  if (auto it = file.metadata().find("config"); it != file.metadata().end())
+    return UNetConfig::from_json(it->second, path.string() + " metadata 'config'");
   // A weights file inside a diffusers folder: its config sits next to it.
   if (fs::is_regular_file(path.parent_path() / "config.json")) {
-    return UNetConfig::from_json(read_config_file(path.parent_path() / "config.json"));
+    return UNetConfig::from_json(read_config_file(path.parent_path() / "config.json"),
+                                 (path.parent_path() / "config.json").string());
   }
   for (const TensorInfo& info : file.tensors()) {
     if (info.name.rfind(kOriginalPrefix, 0) == 0) return UNetConfig::sdxl_base();

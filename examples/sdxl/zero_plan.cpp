@@ -48,10 +48,10 @@ sdxl::UNetConfig unet_config_of(const std::string& name) {
   ZERO_CHECK(fs::exists(path), "--unet-config: '", name, "' is neither sdxl-base nor an existing file or folder");
   if (fs::is_directory(path)) {
     for (const fs::path& candidate : {path / "config.json", path / "unet" / "config.json"})
-      if (fs::is_regular_file(candidate)) return sdxl::UNetConfig::from_json(read_text(candidate));
+      if (fs::is_regular_file(candidate)) return sdxl::UNetConfig::from_json(read_text(candidate), candidate.string());
     ZERO_THROW(zero::InvalidArgument, "--unet-config: folder '", name, "' has no config.json or unet/config.json");
   }
-  return sdxl::UNetConfig::from_json(read_text(path));
+  return sdxl::UNetConfig::from_json(read_text(path), "--unet-config " + name);
 }
 
 /// A positive size: "24GiB", "12G", "500MiB" (binary units, as the trainer's max_gpu_memory).

@@ -192,6 +192,11 @@ TEST_CASE("config: unsupported or unknown values are errors naming the key") {
         std::string::npos);
   CHECK(error_of("block_out_channels", "[320, 640, 1000]").find("block_out_channels") != std::string::npos);
   CHECK_THROWS_AS(sdxl::UNetConfig::from_json("{not json"), zero::InvalidArgument);
+  // With its source, the error names it (a file, or a file's metadata).
+  const std::string named =
+      message_of([&] { sdxl::UNetConfig::from_json(with("num_attention_heads", "\"x\""), "models/unet/config.json"); });
+  CHECK(named.find("models/unet/config.json: ") != std::string::npos);
+  CHECK(named.find("num_attention_heads") > named.find("models/unet/config.json: "));
   // num_attention_heads, when given, is the head count.
   const auto heads = sdxl::UNetConfig::from_json(with("num_attention_heads", "[4, 8, 16]"));
   CHECK(heads.heads_of_level(2) == 16);

@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "unet_io.hpp"  // shape_text, append_list
+#include "unet_io.hpp"  // copy_out, shape_text, append_list
 #include "zero/core/error.hpp"
 #include "zero/io/json_limits.hpp"
 
@@ -183,26 +183,7 @@ Tensor WeightSet::read(const std::string& name) const {
   auto it = tensors.find(name);
   if (it == tensors.end()) ZERO_THROW(zero::IoError, "checkpoint '", description, "' has no tensor '", name, "'");
   const auto& [file, info] = it->second;
-  auto type = [&]() -> torch::ScalarType {
-    switch (info->dtype) {
-      case TensorDType::F64: return torch::kFloat64;
-      case TensorDType::F32: return torch::kFloat32;
-      case TensorDType::F16: return torch::kFloat16;
-      case TensorDType::BF16: return torch::kBFloat16;
-      case TensorDType::I64: return torch::kInt64;
-      case TensorDType::I32: return torch::kInt32;
-      case TensorDType::I16: return torch::kInt16;
-      case TensorDType::I8: return torch::kInt8;
-      case TensorDType::U8: return torch::kUInt8;
-      case TensorDType::BOOL: return torch::kBool;
-    }
-    return torch::kFloat32;
-  }();
-  // The file's data is only byte-aligned: copy rather than wrap.
-  Tensor t = torch::empty(info->shape, torch::TensorOptions().dtype(type));
-  auto bytes = file->data(*info);
-  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
+  return copy_out(*file, *info);
 }
 
 void load_tensor_sources(torch::nn::Module& module, const std::vector<TensorSource>& sources,

@@ -63,15 +63,6 @@ TensorDType to_tensor_dtype(torch::ScalarType type) {
   ZERO_THROW(zero::InvalidArgument, "safetensors cannot store torch dtype ", c10::toString(type));
 }
 
-// A CPU tensor holding a copy of the stored bytes. The file's data is only
-// byte-aligned, so it is copied rather than wrapped with from_blob.
-Tensor copy_out(const SafeTensorsFile& file, const TensorInfo& info) {
-  Tensor t = torch::empty(info.shape, torch::TensorOptions().dtype(to_scalar_type(info.dtype)));
-  auto bytes = file.data(info);
-  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
-
 // ---------------------------------------------------------------- paths
 
 std::string lower_extension(const fs::path& path) {
@@ -230,6 +221,13 @@ std::string rename_resnet_tail(const std::vector<std::string>& parts, std::size_
 }
 
 }  // namespace
+
+Tensor copy_out(const SafeTensorsFile& file, const TensorInfo& info) {
+  Tensor t = torch::empty(info.shape, torch::TensorOptions().dtype(to_scalar_type(info.dtype)));
+  auto bytes = file.data(info);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
 
 std::string shape_text(torch::IntArrayRef shape) {
   std::ostringstream out;

@@ -6,6 +6,7 @@ imports it with tests/ on sys.path:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
     from e2e_harness import check, failures
 """
+import importlib.util
 import json
 import os
 import struct
@@ -60,3 +61,20 @@ def finish():
         print(f"{len(failures)} check(s) failed")
         sys.exit(1)
     print("all checks passed")
+
+
+def load_dataset_writer():
+    """tests/sdxl_train/cached_dataset_writer.py as a module (its dataclasses
+    look their module up in sys.modules, so it is registered there)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdxl_train", "cached_dataset_writer.py")
+    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def pattern_values(count, seed, code="<f"):
+    """count values in [-1, 1), packed with struct code `code` ("<f": float32,
+    "<e": float16): a different, reproducible pattern per seed."""
+    return b"".join(struct.pack(code, ((seed * 7919 + k * 104729) % 2000) / 1000.0 - 1.0) for k in range(count))

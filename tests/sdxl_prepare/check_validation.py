@@ -20,17 +20,15 @@ pipeline (tiny_pipeline.py) and a tiny UNet of its text widths:
 
   check_validation.py TRAIN SAMPLE MAKE_SINGLE_FILE MPIEXEC SOURCE_DIR WORKDIR [mpiexec flags...]
 """
-import importlib.util
 import json
 import os
 import shutil
-import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 import tiny_pipeline  # noqa: E402
-from e2e_harness import check, finish, run  # noqa: E402
+from e2e_harness import check, finish, load_dataset_writer, pattern_values, run  # noqa: E402
 from png_reader import read_png  # noqa: E402
 
 TRAIN, SAMPLE, MAKE_SINGLE_FILE, MPIEXEC, SOURCE, WORK = sys.argv[1:7]
@@ -124,15 +122,7 @@ check(losses(c) == losses(d) and exports_equal(c, d),
 check(len(os.listdir(os.path.join(c, "samples"))) == 4, "offload_delayed_update: images after each of the 4 steps")
 
 # 5. Prompts cached in the dataset, drawn with a pipeline that has no text encoders.
-spec = importlib.util.spec_from_file_location(
-    "cached_dataset_writer", os.path.join(SOURCE, "tests", "sdxl_train", "cached_dataset_writer.py"))
-writer_module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = writer_module
-spec.loader.exec_module(writer_module)
-
-
-def f32(count, seed):
-    return b"".join(struct.pack("<f", ((seed * 7919 + k * 104729) % 2000) / 1000.0 - 1.0) for k in range(count))
+writer_module = load_dataset_writer()
 
 
 text = {"sequence_length": 7, "width": 80, "pooled_width": 40}
@@ -140,10 +130,10 @@ dataset = os.path.join(WORK, "dataset")
 writer = writer_module.DatasetWriter(directory=writer_module.Path(dataset), text_dims=text, samples_per_shard=8,
                                      vae_scaling_factor=writer_module.SDXL_VAE_SCALING_FACTOR)
 for i in range(8):
-    writer.add(("F32", (4, 16, 16), f32(4 * 16 * 16, i)), ("F32", (7, 80), f32(7 * 80, i + 100)),
-               ("F32", (40,), f32(40, i + 200)), (128, 128), (0, 0), (128, 128), f"sample {i}")
+    writer.add(("F32", (4, 16, 16), pattern_values(4 * 16 * 16, i)), ("F32", (7, 80), pattern_values(7 * 80, i + 100)),
+               ("F32", (40,), pattern_values(40, i + 200)), (128, 128), (0, 0), (128, 128), f"sample {i}")
 cached = ["a cached castle", "a cached river"]
-writer.set_validation_prompts(cached, ("F32", (2, 7, 80), f32(2 * 7 * 80, 300)), ("F32", (2, 40), f32(2 * 40, 301)))
+writer.set_validation_prompts(cached, ("F32", (2, 7, 80), pattern_values(2 * 7 * 80, 300)), ("F32", (2, 40), pattern_values(2 * 40, 301)))
 writer.finish()
 no_text = os.path.join(WORK, "pipeline-without-text-encoders")
 os.makedirs(no_text)

@@ -18,11 +18,9 @@ examples/sdxl/train (tiny.toml, 4 steps, global batch 8; stdlib only):
 
   check_caption_dropout.py TRAIN MPIEXEC CONFIG WORKDIR [mpiexec flags...]
 """
-import importlib.util
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -33,7 +31,7 @@ STEPS = 4
 GLOBAL_BATCH = 8
 KEY = "data/captions_dropped"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, load_dataset_writer, pattern_values  # noqa: E402
 
 
 def command(name, ranks, overrides):
@@ -65,34 +63,20 @@ def counts(rows):
     return [row.get(KEY) for row in rows]
 
 
-def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
-    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def f32(count, seed):
-    """float32 values in [-1, 1), a different pattern per seed."""
-    return b"".join(struct.pack("<f", ((seed * 7919 + k * 104729) % 2000) / 1000.0 - 1.0) for k in range(count))
-
-
 def write_dataset(directory, empty_everywhere):
     """64 samples of the tiny model's dims (text 7x64, pooled 32). With
     empty_everywhere every sample's text conditioning is the empty prompt's
     and no empty prompt is recorded (a version-1 dataset); else the empty
     prompt is recorded."""
-    prepare = load_writer()
+    prepare = load_dataset_writer()
     text = {"sequence_length": 7, "width": 64, "pooled_width": 32}
     writer = prepare.DatasetWriter(directory=prepare.Path(directory), text_dims=text, samples_per_shard=16,
                                    vae_scaling_factor=prepare.SDXL_VAE_SCALING_FACTOR)
-    empty = (("F32", (7, 64), f32(7 * 64, 999)), ("F32", (32,), f32(32, 998)))
+    empty = (("F32", (7, 64), pattern_values(7 * 64, 999)), ("F32", (32,), pattern_values(32, 998)))
     for i in range(64):
-        embeds = empty if empty_everywhere else (("F32", (7, 64), f32(7 * 64, i + 100)), ("F32", (32,), f32(32, i + 200)))
+        embeds = empty if empty_everywhere else (("F32", (7, 64), pattern_values(7 * 64, i + 100)), ("F32", (32,), pattern_values(32, i + 200)))
         # Time ids differ per sample: dropout must keep them.
-        writer.add(("F32", (4, 16, 16), f32(4 * 16 * 16, i)), *embeds, (100 + i, 140 - i), (i % 3, i % 5), (128, 128),
+        writer.add(("F32", (4, 16, 16), pattern_values(4 * 16 * 16, i)), *embeds, (100 + i, 140 - i), (i % 3, i % 5), (128, 128),
                    f"sample {i}")
     if not empty_everywhere:
         writer.set_empty_prompt(*empty)

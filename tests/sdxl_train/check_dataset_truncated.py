@@ -12,11 +12,9 @@ of 16 samples) is written with the stdlib writer cached_dataset_writer.py. Once
 the run has logged a step, every shard is cut to 20000 bytes (as
 `truncate -s 20000 DS/shard-*.safetensors` would).
 """
-import importlib.util
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import threading
@@ -28,31 +26,23 @@ TIMEOUT_S = 10       # ZERO_COMM_TIMEOUT_S: a rank waiting on a failed one gives
 EXIT_LIMIT_S = 20    # truncation -> mpirun gone (the loader runs two batches ahead; then the timeout)
 TRUNCATED_SIZE = 20000
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, load_dataset_writer, pattern_values  # noqa: E402
 
 
-def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
-    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def half_values(count, seed):  # fp16 values in [-1, 1), a different pattern per sample
+    return pattern_values(count, seed, "<e")
 
 
 def write_dataset(directory):
     """64 samples of the tiny model's dims, fp16, 16 per shard: shards of ~49 KB."""
-    prepare = load_writer()
+    prepare = load_dataset_writer()
     text = {"sequence_length": 7, "width": 64, "pooled_width": 32}
     writer = prepare.DatasetWriter(directory=prepare.Path(directory), text_dims=text, samples_per_shard=16,
                                    vae_scaling_factor=prepare.SDXL_VAE_SCALING_FACTOR)
 
-    def half(count, seed):  # fp16 values in [-1, 1), a different pattern per sample
-        return b"".join(struct.pack("<e", ((seed * 7919 + k * 104729) % 2000) / 1000.0 - 1.0) for k in range(count))
-
     for i in range(64):
-        writer.add(("F16", (4, 16, 16), half(4 * 16 * 16, i)), ("F16", (7, 64), half(7 * 64, i + 100)),
-                   ("F16", (32,), half(32, i + 200)), (128, 128), (0, 0), (128, 128), f"sample {i}")
+        writer.add(("F16", (4, 16, 16), half_values(4 * 16 * 16, i)), ("F16", (7, 64), half_values(7 * 64, i + 100)),
+                   ("F16", (32,), half_values(32, i + 200)), (128, 128), (0, 0), (128, 128), f"sample {i}")
     writer.finish()
     return sorted(os.path.join(directory, name) for name in os.listdir(directory) if name.startswith("shard-"))
 

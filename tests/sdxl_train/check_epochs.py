@@ -31,12 +31,10 @@ filled batches left out of each epoch (drop-last per bucket), so an epoch is
 The sweep (N = 1 and 3, label "sweep") runs 1 and 2 at that N: the same steps
 end epochs and hold checkpoints as at N = 2, with the same epoch column.
 """
-import importlib.util
 import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -50,32 +48,24 @@ BATCHES_PER_EPOCH = 3
 EPOCHS = 3
 STEPS = EPOCHS * BATCHES_PER_EPOCH
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from e2e_harness import check, failures  # noqa: E402
+from e2e_harness import check, failures, load_dataset_writer, pattern_values  # noqa: E402
 
 
-def load_writer():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cached_dataset_writer.py")
-    spec = importlib.util.spec_from_file_location("cached_dataset_writer", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def half_values(count, seed):  # fp16 values in [-1, 1), a different pattern per sample
+    return pattern_values(count, seed, "<e")
 
 
 def write_dataset(directory):
     """20 samples of the tiny model's text dims in two buckets, interleaved."""
-    prepare = load_writer()
+    prepare = load_dataset_writer()
     text = {"sequence_length": 7, "width": 64, "pooled_width": 32}
     writer = prepare.DatasetWriter(directory=prepare.Path(directory), text_dims=text, samples_per_shard=12,
                                    vae_scaling_factor=prepare.SDXL_VAE_SCALING_FACTOR)
 
-    def half(count, seed):  # fp16 values in [-1, 1), a different pattern per sample
-        return b"".join(struct.pack("<e", ((seed * 7919 + k * 104729) % 2000) / 1000.0 - 1.0) for k in range(count))
-
     for i in range(20):
         h = 16 if i * 3 % 20 < 7 else 8  # 7 samples of 16x8, 13 of 8x8 (3i mod 20 permutes 0..19)
-        writer.add(("F16", (4, h, 8), half(4 * h * 8, i)), ("F16", (7, 64), half(7 * 64, i + 100)),
-                   ("F16", (32,), half(32, i + 200)), (8 * h, 64), (0, 0), (8 * h, 64), f"sample {i}")
+        writer.add(("F16", (4, h, 8), half_values(4 * h * 8, i)), ("F16", (7, 64), half_values(7 * 64, i + 100)),
+                   ("F16", (32,), half_values(32, i + 200)), (8 * h, 64), (0, 0), (8 * h, 64), f"sample {i}")
     writer.finish()
 
 

@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "unet_io.hpp"  // copy_out, shape_text, append_list
+#include "unet_io.hpp"  // copy_out, read_text_file, shape_text, append_list
 #include "zero/core/error.hpp"
 #include "zero/io/json_limits.hpp"
 
@@ -25,15 +25,6 @@ namespace {
 constexpr std::size_t kMaxConfigBytes = 1 << 20;
 constexpr zero::io::JsonLimits kConfigLimits{.max_bytes = kMaxConfigBytes, .max_values = 1'000'000,
                                              .max_depth = 16};
-
-std::string read_text_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) ZERO_THROW(zero::IoError, "cannot open '", path.string(), "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) ZERO_THROW(zero::IoError, "cannot read '", path.string(), "'");
-  return text.str();
-}
 
 bool is_pickle_name(const fs::path& path) {
   std::string ext = path.extension().string();

@@ -81,15 +81,6 @@ void refuse_pickle(const fs::path& path) {
   }
 }
 
-std::string read_text_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) ZERO_THROW(zero::IoError, "cannot open '", path.string(), "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) ZERO_THROW(zero::IoError, "cannot read '", path.string(), "'");
-  return text.str();
-}
-
 // A UNet config.json: its size is checked before it is read (a hostile or
 // mistaken path may name a huge file).
 std::string read_config_file(const fs::path& path) {
@@ -221,6 +212,15 @@ std::string rename_resnet_tail(const std::vector<std::string>& parts, std::size_
 }
 
 }  // namespace
+
+std::string read_text_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) ZERO_THROW(zero::IoError, "cannot open '", path.string(), "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) ZERO_THROW(zero::IoError, "cannot read '", path.string(), "'");
+  return text.str();
+}
 
 Tensor copy_out(const SafeTensorsFile& file, const TensorInfo& info) {
   Tensor t = torch::empty(info.shape, torch::TensorOptions().dtype(to_scalar_type(info.dtype)));

@@ -78,6 +78,10 @@ zero::io::TensorDType safetensors_dtype_of(torch::ScalarType type);
 /// dtype (F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL).
 std::map<std::string, torch::Tensor> read_tensors(const std::filesystem::path& path);
 
+/// The whole file as text (IoError naming it when it cannot be opened or
+/// read). Callers check the size first where the file may be large.
+std::string read_text_file(const std::filesystem::path& path);
+
 /// A CPU tensor of the stored dtype holding a copy of one tensor of `file`
 /// (its data is only byte-aligned, so it is copied rather than wrapped).
 torch::Tensor copy_out(const zero::io::SafeTensorsFile& file, const zero::io::TensorInfo& info);

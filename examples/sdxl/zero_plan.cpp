@@ -33,6 +33,13 @@ namespace fs = std::filesystem;
 constexpr int kNothingFits = 3;
 
 std::string read_text(const fs::path& path) {
+  // Its size first: a mistaken path may name a huge file.
+  std::error_code error;
+  const std::uintmax_t bytes = fs::file_size(path, error);
+  ZERO_CHECK(!error, "--unet-config: cannot read '", path.string(), "': ", error.message());
+  ZERO_CHECK(bytes <= sdxl::UNetLimits::kMaxConfigBytes, "--unet-config: '", path.string(), "' is ", bytes,
+             " bytes, over the limit of ", sdxl::UNetLimits::kMaxConfigBytes,
+             " (a diffusers config.json is a few KB): is it the right file?");
   std::ifstream in(path);
   ZERO_CHECK(in.good(), "--unet-config: cannot read '", path.string(), "'");
   std::ostringstream text;

@@ -11,7 +11,12 @@
 #        was refused (no configuration at micro-batch 8 fits 12 GiB);
 #  calibrate: sdxl-1024.toml, stage 0, batch 1 and 8 with per-layer units and
 #        batch 8 per block (as run_session13_device.sh's calibrate).
-# Logs, JSON lines and summary.json under $OUT/s15.
+#  gathers (for the next session): stage 3 without the host wait per unit
+#        (2026-12-05): stage 3 eager at batch 1 and 8 against stage 2 (was +41%
+#        and +2.5%), and stage 3 with offload_params under 12 GiB at 2 x 4 (2.81
+#        images/s with the wait; prediction in docs/perf-notes.md).
+# Logs, JSON lines and summary.json under $OUT/s15. Name fewer than 8 files
+# back or tar them: $OUT returns at most 8 files.
 set -uo pipefail
 NAME=s15 DEFAULT_PHASES="build graphtest fit calibrate"
 source bench/gpu/device_env.sh
@@ -32,6 +37,15 @@ if has calibrate; then
     run_trainer "sdxl-calib-stage0-b$batch-layers" 240 --stage 0 --batch_size "$batch" --units layers
   done
   run_trainer "sdxl-calib-stage0-b8-blocks" 240 --stage 0 --batch_size 8 --units blocks
+fi
+if has gathers; then
+  for batch in 1 8; do
+    for stage in 2 3; do
+      run_trainer "sdxl-gathers-stage$stage-b$batch" 240 --stage "$stage" --batch_size "$batch"
+    done
+  done
+  run_trainer "sdxl-gathers-cap-12GiB-stage3-2x4" 300 --max_gpu_memory 12GiB --stage 3 --offload_optimizer true \
+    --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

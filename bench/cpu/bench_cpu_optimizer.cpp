@@ -123,6 +123,49 @@ void BM_AdamW_Vectorized_fp32(benchmark::State& s) { run(s, CpuKernel::vectorize
 void BM_AdamW_Reference_bf16grads_bf16copy(benchmark::State& s) { run(s, CpuKernel::reference, true); }
 void BM_AdamW_Vectorized_bf16grads_bf16copy(benchmark::State& s) { run(s, CpuKernel::vectorized, true); }
 
+// AdamW + EMA as the offloaded update runs it (bf16 gradients in, bf16 copy
+// out, the fp32 EMA read and written: 26 + 8 = 34 bytes a parameter).
+// two_pass: the update then cpu_ema_update over the new master, in 2M-element
+// slices so the second pass reads the master from cache (the engine before
+// 2026-12-05); fused: the EMA in the update's pass (ShardUpdate::ema).
+void adamw_ema(benchmark::State& state, bool fused) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  Buffers b(n);
+  std::vector<float> ema(b.master);
+  OptimizerOptions o;
+  ShardUpdate u;
+  u.master = b.master.data();
+  u.state0 = b.m.data();
+  u.state1 = b.v.data();
+  u.count = n;
+  u.grad = b.grad16.data();
+  u.grad_dtype = DType::bf16;
+  u.model_copy = b.copy16.data();
+  u.model_dtype = DType::bf16;
+  constexpr std::size_t kSlice = std::size_t{2} << 20;
+  std::int64_t step = 1;
+  for (auto _ : state) {
+    const StepScalars scalars = make_step_scalars(o, step++, 1e-4, 1.0);
+    if (fused) {
+      u.ema = ema.data();
+      u.ema_decay = 0.9999;
+      cpu_optimizer_step(o, scalars, u, CpuKernel::vectorized);
+    } else {
+      for (std::size_t lo = 0; lo < n; lo += kSlice) {
+        const ShardUpdate part = u.slice(lo, std::min(kSlice, n - lo));
+        cpu_optimizer_step(o, scalars, part, CpuKernel::vectorized);
+        cpu_ema_update(ema.data() + lo, part.master, part.count, 0.9999);
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.counters["params/s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(n * (bytes_per_param(true) + 8)) / 1e9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+void BM_AdamW_EMA_bf16_two_pass(benchmark::State& s) { adamw_ema(s, false); }
+void BM_AdamW_EMA_bf16_fused(benchmark::State& s) { adamw_ema(s, true); }
+
 // The ceiling: memcpy moving the same bytes (half read, half written) on
 // every core, as the vectorized kernel uses them.
 void BM_Memcpy_Ceiling(benchmark::State& state) {
@@ -155,5 +198,7 @@ BENCHMARK(BM_AdamW_Reference_bf16grads_bf16copy)->Arg(1 << 20)->Arg(1 << 24)->Us
 BENCHMARK(BM_AdamW_Vectorized_bf16grads_bf16copy)->Arg(1 << 20)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_Vectorized_bf16_1group)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_Vectorized_bf16_4groups)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_EMA_bf16_two_pass)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_EMA_bf16_fused)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(GradStats_bf16)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

@@ -84,18 +84,17 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   u.model_copy = copy + at * m_.p_size;
   u.model_dtype = m_.pdt;
   u.count = bucket.shard_size;
-  // In slices that fit the CPU's last-level cache, so the EMA reads the
-  // master weights the update just wrote from cache, not from DRAM
-  // (element-wise kernels: the same bits as one call over the bucket), and
-  // never across a group's run.
-  constexpr std::size_t kSlice = std::size_t{2} << 20;  // 2M elements: ~40 MB of operands
+  // The EMA in the update's own pass: each new master value goes into the
+  // average from a register (the same bits as a second pass over the master,
+  // which read it back and cost a second parallel region per slice). One
+  // call per group run (element-wise kernels: the same bits at any cut).
+  if (m_.ema && with_ema) {
+    u.ema = m_.ema + at;
+    u.ema_decay = args.ema_decay;
+  }
   for (const Engine::Impl::Segment& s : m_.segments[b]) {
     const GroupStep& group = args.groups[static_cast<std::size_t>(s.group)];
-    for (std::size_t lo = s.begin; lo < s.begin + s.count; lo += kSlice) {
-      const ShardUpdate part = u.slice(lo, std::min(kSlice, s.begin + s.count - lo));
-      m_.backend.host_optimizer_step(group.optimizer, group.scalars, part);
-      if (m_.ema && with_ema) m_.backend.host_ema_update(m_.ema + at + lo, part.master, part.count, args.ema_decay);
-    }
+    m_.backend.host_optimizer_step(group.optimizer, group.scalars, u.slice(s.begin, s.count));
   }
 }
 

@@ -188,6 +188,63 @@ TEST_CASE("CPU optimizer kernels match float64 and agree bit for bit") {
   }
 }
 
+// The EMA in the update's pass (what the offloaded update runs) against the
+// update followed by cpu_ema_update (the separate pass it replaces) and the
+// reference loop with the EMA: the same bits for every optimizer, dtype and
+// a size that leaves a partial chunk.
+TEST_CASE("CPU optimizer with the EMA in the same pass: the same bits as the update then cpu_ema_update") {
+  std::mt19937 rng(77);
+  std::normal_distribution<float> normal;
+  for (const OptimizerOptions& o : all_optimizers()) {
+    for (DType grad_dtype : kAllDTypes) {
+      for (DType copy_dtype : {DType::fp32, DType::bf16}) {
+        for (std::size_t n : {std::size_t{1}, std::size_t{1021}, std::size_t{65536 + 13}}) {
+          CAPTURE(name_of(o.kind));
+          CAPTURE(grad_dtype);
+          CAPTURE(copy_dtype);
+          CAPTURE(n);
+          Arrays fused = random_arrays(n, grad_dtype, rng);
+          Arrays two_pass = fused, reference = fused;
+          std::vector<float> ema_fused(n), ema_two_pass, ema_reference;
+          for (float& e : ema_fused) e = normal(rng);
+          ema_two_pass = ema_reference = ema_fused;
+          const std::vector<float> ema_before = ema_fused;
+          const int slots = o.state_slots();
+          for (std::int64_t step = 1; step <= 3; ++step) {
+            const double decay = step == 2 ? 0.999 : 0.75;  // 1 - decay rounds differently
+            const StepScalars s = make_step_scalars(o, step, o.lr, 0.5);
+            ShardUpdate u = view(fused, grad_dtype, copy_dtype, true, slots);
+            u.ema = ema_fused.data();
+            u.ema_decay = decay;
+            cpu_optimizer_step(o, s, u, CpuKernel::vectorized);
+            ShardUpdate r = view(reference, grad_dtype, copy_dtype, true, slots);
+            r.ema = ema_reference.data();
+            r.ema_decay = decay;
+            cpu_optimizer_step(o, s, r, CpuKernel::reference);
+            cpu_optimizer_step(o, s, view(two_pass, grad_dtype, copy_dtype, true, slots), CpuKernel::vectorized);
+            cpu_ema_update(ema_two_pass.data(), two_pass.master.data(), n, decay);
+            REQUIRE(fused.master == two_pass.master);
+            REQUIRE(fused.master == reference.master);
+            REQUIRE(fused.m == two_pass.m);
+            REQUIRE(fused.v == two_pass.v);
+            if (copy_dtype == DType::fp32) REQUIRE(fused.copy32 == two_pass.copy32);
+            else REQUIRE(fused.copy16 == two_pass.copy16);
+            REQUIRE(ema_fused == ema_two_pass);
+            REQUIRE(ema_fused == ema_reference);
+            // The EMA moved toward the weights: the test cannot pass with the EMA left out.
+            REQUIRE(ema_fused != ema_before);
+          }
+          const ShardUpdate tail = view(fused, grad_dtype, copy_dtype, true, slots).slice(n - 1, 1);
+          ShardUpdate with_ema = view(fused, grad_dtype, copy_dtype, true, slots);
+          with_ema.ema = ema_fused.data();
+          REQUIRE(with_ema.slice(n - 1, 1).ema == ema_fused.data() + (n - 1));
+          REQUIRE(tail.ema == nullptr);
+        }
+      }
+    }
+  }
+}
+
 // The sum of squares: fp32 partials of at most 16 positive squares (relative
 // error below 16 x 2^-24 < 1e-6 each), summed in double; so within 1e-6 of
 // the float64 sum, and the same bits with any thread count.

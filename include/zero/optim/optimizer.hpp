@@ -174,6 +174,12 @@ struct ShardUpdate {
   float* state1 = nullptr;                // AdamW v
   void* model_copy = nullptr;             // optional: updated params rounded to model_dtype
   DType model_dtype = DType::bf16;
+  /// Optional: the fp32 exponential moving average of the weights, updated in
+  /// the same pass from the new master value (ema_element with ema_decay and
+  /// 1 - ema_decay rounded to float): the same bits as cpu_ema_update over
+  /// the updated master, without reading the master a second time.
+  float* ema = nullptr;
+  double ema_decay = 0;
   std::size_t count = 0;
 
   /// Elements [begin, begin + n) of this span.
@@ -184,6 +190,7 @@ struct ShardUpdate {
     part.state0 = state0 ? state0 + begin : nullptr;
     part.state1 = state1 ? state1 + begin : nullptr;
     part.model_copy = model_copy ? static_cast<std::byte*>(model_copy) + begin * size_of(model_dtype) : nullptr;
+    part.ema = ema ? ema + begin : nullptr;
     part.count = n;
     return part;
   }

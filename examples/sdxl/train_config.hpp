@@ -60,6 +60,7 @@ struct TrainConfig {
   double max_grad_norm = 1.0;          // 0: no clipping
   std::int64_t max_nonfinite_steps = 20;  // steps in a row with non-finite gradients before stopping (0: never)
   double ema_decay = 0;                // 0: no EMA
+  std::int64_t ema_every = 1;          // update the EMA every k steps with the decay over k (EmaOptions::every)
   /// [optimizer] no_weight_decay = ["*.bias", "*norm*"]: parameters (glob
   /// patterns on diffusers names) trained without weight decay.
   std::vector<std::string> no_weight_decay;

@@ -48,6 +48,9 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"optimizer", "max_nonfinite_steps", &c.max_nonfinite_steps,
        "stop after this many steps in a row with non-finite gradients, each skipped (0: never stop)"},
       {"optimizer", "ema_decay", &c.ema_decay, "EMA of the weights, sharded like the optimizer (0: off)"},
+      {"optimizer", "ema_every", &c.ema_every,
+       "update the EMA every k optimizer steps only, with the decay of k steps (the same horizon; less host "
+       "memory traffic with offload_optimizer); 1: every step"},
       {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
       {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
       {"zero", "shard_group_size", &c.shard_group_size,

@@ -110,6 +110,10 @@ void TrainConfig::validate() const {
              "max_nonfinite_steps must be in [0, ", std::numeric_limits<int>::max(), "] (0: never stop), got ",
              max_nonfinite_steps);
   ZERO_CHECK(ema_decay >= 0 && ema_decay < 1, "ema_decay must be in [0, 1), got ", ema_decay);
+  ZERO_CHECK(ema_every >= 1 && ema_every <= 1000000, "ema_every must be in [1, 1000000] (1: every step), got ",
+             ema_every);
+  ZERO_CHECK(ema_decay == 0 || static_cast<double>(ema_every) * (1 - ema_decay) <= 1, "ema_every = ", ema_every,
+             " is longer than the EMA's horizon 1 / (1 - ema_decay) = ", 1 / (1 - ema_decay), " steps");
   ZERO_CHECK(stage >= 0 && stage <= 3, "stage must be 0, 1, 2 or 3, got ", stage);
   ZERO_CHECK(shard_group_size >= 0 && shard_group_size <= (1 << 20),
              "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",

@@ -56,6 +56,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
                        .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
                        .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
   options.ema.decay = cfg.ema_decay;
+  options.ema.every = static_cast<int>(cfg.ema_every);
   options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
   options.offload.optimizer = cfg.offload_optimizer;
   options.offload.params = cfg.offload_params;

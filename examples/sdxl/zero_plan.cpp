@@ -101,7 +101,7 @@ struct Options {
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
   std::string units = "layers";
   int shard_group_size = 0, global_batch = 0;
-  int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2;
+  int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2, ema_every = 1;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
   bool ema = false, offload = false, offload_params = false, delayed_update = false, accumulate_on_host = false,
@@ -128,6 +128,11 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--optimizer", o.optimizer, "adamw, lion or sgd (with momentum)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "lion", "sgd"}));
   app.add_flag("--ema", o.ema, "an fp32 EMA of the weights");
+  app.add_option("--ema-every", o.ema_every,
+                 "with --ema: the EMA updated every k steps (the trainer's ema_every; the offloaded CPU update "
+                 "moves fewer bytes)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 10000));
   app.add_flag("--offload-optimizer", o.offload, "master, optimizer state and EMA in pinned host memory (stages 1-3)");
   app.add_flag("--offload-params", o.offload_params,
                "stage 3 with --offload-optimizer: the parameter shard in pinned host memory too");
@@ -210,6 +215,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.engine.optimizer.kind = zero::parse_optimizer_kind(o.optimizer, "--optimizer");
   if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default
   in.engine.ema.decay = o.ema ? 0.9999 : 0.0;  // only on or off matters to memory
+  in.engine.ema.every = o.ema_every;           // and to the offloaded update's time
   in.engine.offload.optimizer = o.offload;
   in.engine.offload.params = o.offload_params;
   in.engine.offload.delayed_update = o.delayed_update;

@@ -44,7 +44,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.model_dtype = m_.pdt;
     u.count = m_.layout.padded_numel();
     update(args, m_.full_segments, u);
-    if (m_.ema) be.ema_update(m_.ema, weights, m_.layout.padded_numel(), args.ema_decay, compute);
+    if (m_.ema && args.ema_decay > 0) be.ema_update(m_.ema, weights, m_.layout.padded_numel(), args.ema_decay, compute);
     return;
   }
   for (std::size_t b = 0; b < buckets.size(); ++b) {
@@ -59,7 +59,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.count = buckets[b].shard_size;
     update(args, m_.segments[b], u);
   }
-  if (m_.ema)
+  if (m_.ema && args.ema_decay > 0)  // 0: a step between two EMA updates (EmaOptions::every)
     for (std::size_t b = 0; b < buckets.size(); ++b)
       be.ema_update(m_.optimizer_slice(m_.ema, b), m_.master_slice(b), buckets[b].shard_size, args.ema_decay,
                     compute);

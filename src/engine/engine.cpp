@@ -560,10 +560,7 @@ StepResult Engine::step() {
     if (options_.max_grad_norm > 0 && result.grad_norm > options_.max_grad_norm)
       result.clip_coefficient = options_.max_grad_norm / (result.grad_norm + 1e-6);
     ++step_;
-    const double t = static_cast<double>(step_);
-    const double ema_decay =
-        options_.ema.warmup ? std::min(options_.ema.decay, (1 + t) / (10 + t)) : options_.ema.decay;
-    detail::UpdateArgs args{.groups = {}, .ema_decay = ema_decay, .step = step_};
+    detail::UpdateArgs args{.groups = {}, .ema_decay = options_.ema.decay_at(step_), .step = step_};
     for (std::size_t g = 0; g < options_.group_count(); ++g) {
       const OptimizerOptions group = options_.group_optimizer(g);
       args.groups.push_back(

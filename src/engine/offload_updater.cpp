@@ -47,7 +47,7 @@ void OffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
 }
 
 void OffloadUpdater::start_ema(double decay) {
-  if (!m_.ema) return;
+  if (!m_.ema || decay == 0) return;  // 0: a step between two EMA updates (EmaOptions::every)
   ZERO_ASSERT(!ema_thread_.joinable(), "an EMA update is already running");
   ema_error_ = nullptr;
   ema_thread_ = std::thread([this, decay] {
@@ -88,7 +88,7 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   // average from a register (the same bits as a second pass over the master,
   // which read it back and cost a second parallel region per slice). One
   // call per group run (element-wise kernels: the same bits at any cut).
-  if (m_.ema && with_ema) {
+  if (m_.ema && with_ema && args.ema_decay > 0) {
     u.ema = m_.ema + at;
     u.ema_decay = args.ema_decay;
   }

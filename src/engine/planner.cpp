@@ -245,7 +245,9 @@ double Plan::seconds_per_step() const {
     // and backward of each micro-step), counted as not hidden by compute.
     const double p = static_cast<double>(size_of(input.engine.param_dtype));
     const double up_after_step = input.engine.offload.params ? 0.0 : p;
-    offload = std::max(shard * ranks_per_host / s.cpu_elements_per_second,
+    const EmaOptions& ema = input.engine.ema;
+    const double update_share = 1.0 - s.cpu_ema_share + (ema.enabled() ? s.cpu_ema_share / ema.every : 0.0);
+    offload = std::max(shard * ranks_per_host * update_share / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
     const double gather_rate = s.param_gather_bytes_per_second > 0 ? s.param_gather_bytes_per_second

@@ -1,8 +1,21 @@
 #include "zero/engine/stage_plan.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace zero {
+
+double EmaOptions::decay_at(std::int64_t step) const {
+  if (!enabled() || step % every != 0) return 0;
+  // Warm-up as diffusers' EMAModel: min(decay, (1 + t) / (10 + t)) at step t.
+  // One factor when every = 1: the same bits as the per-step decay.
+  double product = 1;
+  for (std::int64_t t = step - every + 1; t <= step; ++t) {
+    const double x = static_cast<double>(t);
+    product *= warmup ? std::min(decay, (1 + x) / (10 + x)) : decay;
+  }
+  return product;
+}
 
 void EngineOptions::validate() const {
   ZERO_CHECK(stage >= 0 && stage <= 3, "EngineOptions.stage must be 0, 1, 2 or 3, got ", stage);
@@ -22,6 +35,10 @@ void EngineOptions::validate() const {
              "EngineOptions.buckets.max_reductions_in_flight must be >= 1, got ", buckets.max_reductions_in_flight);
   ZERO_CHECK(ema.decay >= 0 && ema.decay < 1, "EngineOptions.ema.decay must be in [0, 1) (0 disables), got ",
              ema.decay);
+  ZERO_CHECK(ema.every >= 1, "EngineOptions.ema.every must be >= 1 (1: every step), got ", ema.every);
+  ZERO_CHECK(!ema.enabled() || ema.every * (1 - ema.decay) <= 1, "EngineOptions.ema.every = ", ema.every,
+             " is longer than the EMA's horizon 1 / (1 - decay) = ", 1 / (1 - ema.decay),
+             " steps: the average would skip more weights than it keeps");
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
   ZERO_CHECK(shard_group_size >= 0, "EngineOptions.shard_group_size must be >= 0 (0: all ranks), got ",
              shard_group_size);

@@ -30,7 +30,7 @@ struct GroupStep {
 /// A step the engine decided to apply.
 struct UpdateArgs {
   std::vector<GroupStep> groups;  // by group index
-  double ema_decay = 0;
+  double ema_decay = 0;  // EmaOptions::decay_at: 0 when this step leaves the EMA alone
   std::int64_t step = 0;  // optimizer steps applied, this one included
 };
 

@@ -55,6 +55,9 @@ inline EngineOptions delayed_options(const DelayedCase& c, DType dtype) {
   o.optimizer.weight_decay = 0.01;
   o.max_grad_norm = 1.0;
   o.ema.decay = 0.9;
+  // Three micro-steps: the EMA every second step (the delayed update skips
+  // and applies it as the synchronous one does); elsewhere every step.
+  o.ema.every = c.accumulation == 3 ? 2 : 1;
   o.offload.optimizer = true;
   o.offload.params = c.offload_params;
   o.offload.accumulate_on_host = c.accumulate_on_host;

@@ -180,6 +180,83 @@ TEST_CASE("visit_params hands out what gather_master_params and gather_ema_param
                   InvalidArgument);
 }
 
+// The EMA against its definition, from the engine's own master weights read
+// after every step: initialized to the weights before the first update, then
+// ema = d ema + (1 - d) master with d = EmaOptions::decay_at(step) (the
+// warm-up decay; with every = k, at every k-th step the product of the k
+// decays, nothing in between). Bit for bit at each placement of the state,
+// the delayed update included; every = 3 must differ from every step.
+TEST_CASE("the EMA follows the master weights by its definition, every step and every k steps") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  struct EmaPlacement {
+    int stage;
+    bool offload, offload_params, delayed;
+  };
+  for (const EmaPlacement v : {EmaPlacement{0, false, false, false}, EmaPlacement{2, false, false, false},
+                               EmaPlacement{1, true, false, false}, EmaPlacement{3, true, true, false},
+                               EmaPlacement{2, true, false, true}}) {
+    std::vector<std::vector<float>> by_every[2];
+    for (int every : {1, 3}) {
+      CAPTURE(v.stage);
+      CAPTURE(v.offload);
+      CAPTURE(v.offload_params);
+      CAPTURE(v.delayed);
+      CAPTURE(every);
+      EngineOptions o;
+      o.stage = v.stage;
+      o.param_dtype = DType::bf16;
+      o.buckets.alignment_elements = 4;
+      o.optimizer.lr = 0.05;
+      o.ema.decay = 0.9;
+      o.ema.every = every;
+      o.offload.optimizer = v.offload;
+      o.offload.params = v.offload_params;
+      o.offload.delayed_update = v.delayed;
+      Engine engine(mlp_units(), o, comm, *backend);
+      init_random_params(engine);
+      std::vector<std::vector<float>> expected = engine.gather_master_params();
+      for (int k = 1; k <= 7; ++k) {
+        CAPTURE(k);
+        REQUIRE(run_step(engine, k, comm.rank(), StepGradient::pull_to_half).applied);
+        const auto master = engine.gather_master_params();
+        const double decay = o.ema.decay_at(k);
+        CHECK((decay > 0) == (k % every == 0));
+        if (decay > 0)
+          for (std::size_t p = 0; p < expected.size(); ++p)
+            cpu_ema_update(expected[p].data(), master[p].data(), master[p].size(), decay);
+        CHECK(bitwise_equal(engine.gather_ema_params(), expected));
+      }
+      by_every[every == 1 ? 0 : 1] = expected;
+    }
+    CHECK_FALSE(bitwise_equal(by_every[0], by_every[1]));
+  }
+}
+
+TEST_CASE("EmaOptions::decay_at: the warm-up decay, multiplied over every k steps; every is checked") {
+  EmaOptions ema;
+  ema.decay = 0.9;
+  for (std::int64_t t = 1; t <= 30; ++t) {
+    const double x = static_cast<double>(t);
+    CHECK(ema.decay_at(t) == std::min(0.9, (1 + x) / (10 + x)));  // the bits of the formula before `every`
+  }
+  ema.every = 4;
+  CHECK(ema.decay_at(3) == 0);
+  CHECK(ema.decay_at(8) == std::min(0.9, 6.0 / 15) * std::min(0.9, 7.0 / 16) * std::min(0.9, 8.0 / 17) *
+                               std::min(0.9, 9.0 / 18));
+  ema.warmup = false;
+  CHECK(ema.decay_at(400) == 0.9 * 0.9 * 0.9 * 0.9);
+  CHECK(EmaOptions{}.decay_at(1) == 0);  // no EMA
+  EngineOptions o;
+  o.ema.decay = 0.9;
+  o.ema.every = 10;  // the horizon: accepted
+  CHECK_NOTHROW(o.validate());
+  o.ema.every = 11;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("longer than the EMA's horizon"), InvalidArgument);
+  o.ema.every = 0;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("ema.every must be >= 1"), InvalidArgument);
+}
+
 // ZeRO-Offload runs the same per-element math on the CPU (bit-identical to
 // the device kernels), so moving the optimizer to host memory must not change
 // a single bit of the weights, the EMA or the gradient norms.

@@ -107,6 +107,8 @@ check_refused_early(train("samples", "--synthetic_samples", "2000000000"), "synt
                     r"synthetic_samples .*\[1, 10000000\]")
 check_refused_early(train("latent", "--latent_size", "65536"), "latent_size 65536", r"latent_size .*\[8, 1024\]")
 check_refused_early(train("batch_huge", "--batch_size", "1000000"), "batch_size 1e6", r"batch_size .*\[1, 65536\]")
+check_refused_early(train("ema_every", "--ema_decay", "0.99", "--ema_every", "200"), "ema_every 200 at decay 0.99",
+                    r"ema_every = 200 is longer than the EMA's horizon")
 unet = json.load(open(UNET_JSON))
 deep = dict(unet, layers_per_block=100000)
 path_deep = os.path.join(WORK, "layers_100000.json")

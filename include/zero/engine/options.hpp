@@ -57,7 +57,19 @@ struct EmaOptions {
   /// Ramp the decay as min(decay, (1 + t) / (10 + t)) at step t, so early
   /// weights do not dominate (the convention of diffusers' EMAModel).
   bool warmup = true;
+  /// Update the average every `every` applied steps only, with the product
+  /// of the k per-step decays (decay^k without warm-up): the same horizon in
+  /// steps, the weights between two updates skipped. With the optimizer
+  /// offloaded the EMA is a quarter of the host memory traffic of an update
+  /// (8 of ~34 bytes a parameter), so every = 4 cuts the CPU update by ~18%;
+  /// the exponential moving average of ema-pytorch's update_every, with the
+  /// decay adjusted. 1: every step. At most the horizon 1 / (1 - decay).
+  int every = 1;
   bool enabled() const { return decay > 0; }
+  /// The decay to apply at optimizer step `step` (1-based): the per-step
+  /// decay with warm-up, multiplied over the `every` steps since the last
+  /// update; 0 at a step that skips the average.
+  double decay_at(std::int64_t step) const;
 };
 
 /// ZeRO-Offload (stages 1-3).

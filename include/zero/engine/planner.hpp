@@ -100,7 +100,12 @@ struct SpeedModel {
   double optimizer_seconds_per_step = 0.0;
   /// Parameters of the model the times were measured on; 0: this model's own.
   double reference_param_count = 0.0;
-  double cpu_elements_per_second = 3e9;  // CPU AdamW (+ EMA) per host, offload
+  double cpu_elements_per_second = 3e9;  // CPU AdamW + EMA every step, per host, offload
+  /// The EMA's share of that update's time: its 8 bytes (read and written)
+  /// of the 34 a parameter moves (fp32 master, m and v read and written, the
+  /// 16-bit gradient in and copy out). Without an EMA the update costs
+  /// 1 - share; with EmaOptions::every = k, 1 - share + share / k.
+  double cpu_ema_share = 8.0 / 34.0;
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
   /// offload.params: the parameter uploads of stage 3's gathers (forward and
   /// backward of each micro-step), counted as not hidden by compute. They go

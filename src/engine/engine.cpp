@@ -67,9 +67,11 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   frozen_unit_buffer.assign(frozen_layout.buckets().size(), nullptr);
   frozen_unit_work.resize(frozen_layout.buckets().size());
   updater = detail::make_updater(*this);
-  if (plan.accumulates_on_host) {
-    host_adder = std::make_unique<detail::HostAdder>(backend, gdt);
+  if (plan.streams_grads_to_host) {
+    host_worker = std::make_unique<detail::HostGradientWorker>(backend, gdt);
     staging_add.assign(layout.buckets().size(), 0);
+    bucket_stats.assign(layout.buckets().size(), GradStats{});
+    bucket_stats_queued.assign(layout.buckets().size(), 0);
   }
 
   const std::size_t buckets = layout.buckets().size();
@@ -115,7 +117,7 @@ std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std
 }
 
 Engine::Impl::~Impl() {
-  host_adder.reset();  // stops its additions before the host shards they write go
+  host_worker.reset();  // stops its additions before the host shards they write go
   updater.reset();  // joins a delayed update before the state it writes goes
   pending.clear();  // Work destructors wait
   param_gathers.clear();
@@ -548,8 +550,8 @@ StepResult Engine::step() {
   const double divisor = scaler_.scale() * options_.accumulation_steps;
   const bool proceed = scaler_.update(nonfinite) && !nonfinite;
   m.updater->finish_previous(result);
-  if (m.host_adder) {
-    result.host_add_wait_seconds = m.host_adder->take_wait_seconds();
+  if (m.host_worker) {
+    result.host_add_wait_seconds = m.host_worker->take_wait_seconds();
   }
   result.loss_scale = scaler_.scale();
   result.grad_norm = nonfinite ? std::numeric_limits<double>::infinity() : std::sqrt(global[0]) / divisor;
@@ -589,14 +591,19 @@ GradStats Engine::local_grad_stats(StepResult& result) {
   Impl& m = *impl_;
   const auto& buckets = layout_.buckets();
   if (m.plan.streams_grads_to_host) {  // the gradients are in host memory: summed there, the same way
+    // Each bucket's were summed on the host worker as its gradient of the
+    // step landed, beside backward (finish_micro_step waited for them); here
+    // they are added in bucket order, as the whole shard's would be.
     const auto start = std::chrono::steady_clock::now();
+    m.finish_host_work();
     GradStats local;
     for (std::size_t b = 0; b < buckets.size(); ++b) {
-      const GradStats part = m.backend.host_grad_stats(
-          m.updater->host_gradients() + buckets[b].shard_offset * m.g_size, buckets[b].shard_size, m.gdt);
+      ZERO_ASSERT(m.bucket_stats_queued[b], "bucket ", b, "'s gradient statistics were not queued this step");
+      const GradStats part = m.bucket_stats[b];
       local.sum_squares += part.sum_squares;
       local.nonfinite = local.nonfinite || part.nonfinite;
     }
+    std::fill(m.bucket_stats_queued.begin(), m.bucket_stats_queued.end(), 0);
     result.cpu_grad_stats_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return local;
   }

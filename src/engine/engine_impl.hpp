@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "buffer_pool.hpp"
-#include "host_adder.hpp"
+#include "host_gradient_worker.hpp"
 #include "updater.hpp"
 #include "zero/engine/engine.hpp"
 #include "zero/engine/stage_plan.hpp"
@@ -109,6 +109,9 @@ struct Engine::Impl {
     // (Both are retired within the micro-step: the updater swaps its host
     // shards only in step().)
     bool add_from_staging = false;
+    // The step's last micro-step: once landed (and added), the bucket's
+    // gradient of the step is whole and its statistics are queued.
+    bool last_of_step = false;
   };
   std::vector<char> param_ready;
   std::vector<std::size_t> bucket_ready_count;
@@ -117,19 +120,25 @@ struct Engine::Impl {
   std::deque<Pending> pending;
   std::deque<Download> downloads;
   int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
-  // plan.accumulates_on_host: the additions of staged slices into the host
-  // gradient shard, on their own thread, and per bucket the ticket of the
-  // last one that reads its staging slice (0: none in flight).
-  std::unique_ptr<detail::HostAdder> host_adder;
+  // plan.streams_grads_to_host: the host's work on the streamed gradients
+  // on a thread of its own: with accumulates_on_host the additions of staged
+  // slices into the host gradient shard (per bucket the ticket of the last
+  // one that reads its staging slice, 0: none in flight), and each bucket's
+  // statistics once its gradient of the step is whole (bucket_stats, valid
+  // where bucket_stats_queued, after finish_host_work).
+  std::unique_ptr<detail::HostGradientWorker> host_worker;
   std::vector<std::uint64_t> staging_add;
+  std::vector<GradStats> bucket_stats;
+  std::vector<char> bucket_stats_queued;
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);
   void retire_download();
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();
-  /// Every host addition done (host_adder): the host gradient shard is whole.
-  void finish_host_additions();
+  /// Every host job done (host_worker): the host gradient shard is whole,
+  /// and the queued statistics are in bucket_stats.
+  void finish_host_work();
   /// Zeroes the gradient buffers for the next step.
   void reset_gradients();
 

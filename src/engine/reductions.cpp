@@ -61,7 +61,7 @@ void Engine::Impl::complete(Pending& entry) {
     // The reduced slice goes down now, overlapping the rest of backward;
     // the device block it is read from is held until the copy lands.
     Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr, entry.bucket,
-               plan.accumulates_on_host && micro_step > 0};
+               plan.accumulates_on_host && micro_step > 0, micro_step + 1 == options.accumulation_steps};
     const void* reduced = entry.scratch;
     if (!entry.scratch && plan.reduces_in_place()) {
       reduced = reduced_grad(entry.bucket);
@@ -76,7 +76,7 @@ void Engine::Impl::complete(Pending& entry) {
     std::byte* host = (d.add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) +
                       bucket.shard_offset * g_size;
     // The last micro-step's addition must have read this staging slice.
-    if (d.add_from_staging) host_adder->wait(std::exchange(staging_add[entry.bucket], 0));
+    if (d.add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
     backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     d.copied = backend.record_event(backend.comm_stream());
     downloads.push_back(d);
@@ -100,11 +100,15 @@ void Engine::Impl::retire_download() {
   backend.wait_event(d.copied);
   backend.release_event(d.copied);
   if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
-  if (d.add_from_staging) {  // landed: added on the adder's thread, beside the rest of backward
-    const Bucket& bucket = layout.buckets()[d.bucket];
-    const std::size_t at = bucket.shard_offset * g_size;
+  const Bucket& bucket = layout.buckets()[d.bucket];
+  const std::size_t at = bucket.shard_offset * g_size;
+  if (d.add_from_staging) {  // landed: added on the worker's thread, beside the rest of backward
     staging_add[d.bucket] =
-        host_adder->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size);
+        host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size);
+  }
+  if (d.last_of_step) {  // the bucket's gradient of the step is whole behind what is queued
+    host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[d.bucket]);
+    bucket_stats_queued[d.bucket] = 1;
   }
 }
 
@@ -117,9 +121,9 @@ void Engine::Impl::complete_all() {
   order_after(backend.compute_stream(), backend.comm_stream());
 }
 
-void Engine::Impl::finish_host_additions() {
-  if (!host_adder) return;
-  host_adder->wait_all();
+void Engine::Impl::finish_host_work() {
+  if (!host_worker) return;
+  host_worker->wait_all();
   std::fill(staging_add.begin(), staging_add.end(), 0);
 }
 
@@ -135,6 +139,7 @@ void Engine::Impl::reset_gradients() {
     backend.fill_zero(grad_shard, layout.shard_numel() * g_size, backend.comm_stream());
   }
   std::fill(accumulator_has_data.begin(), accumulator_has_data.end(), 0);
+  std::fill(bucket_stats_queued.begin(), bucket_stats_queued.end(), 0);
 }
 
 // ---------------------------------------------------------------- Engine: gradients
@@ -191,7 +196,7 @@ void Engine::finish_micro_step() {
   }
   m.complete_all();
   m.check_gathers();  // stage 3's gathers of this micro-step, checked before it counts as done
-  if (last_micro_step) m.finish_host_additions();  // the step reads the host gradients next
+  if (last_micro_step) m.finish_host_work();  // the step reads the host gradients (and their statistics) next
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.
   if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary)

@@ -60,7 +60,9 @@ struct StepResult {
   double loss_scale = 1;
   std::int64_t step = 0;     // optimizer steps applied so far
   /// Offload: host wall time of step()'s CPU work, the gradient statistics
-  /// of streamed gradients and the CPU update (optimizer, and waiting for
+  /// of streamed gradients (each bucket's are summed on the host worker as
+  /// its gradient lands, beside backward: this is what was left to wait for
+  /// and to add up) and the CPU update (optimizer, and waiting for
   /// gradients still on their way down; the EMA of a synchronous update runs
   /// on a background thread during the next forward and backward, and the
   /// wait for it, if any, is counted here at the next step); 0 without offload.
@@ -70,10 +72,12 @@ struct StepResult {
   /// that step() joined (the previous step's), and this is how long step()
   /// waited for it: the part of the CPU update not hidden behind the device.
   double cpu_update_wait_seconds = 0;
-  /// offload.accumulate_on_host: how long the thread that drives the device
-  /// waited for host additions during this step's micro-steps (a bucket's
-  /// staging slice still being read, and the last micro-step's wait for all):
-  /// the part of the additions not hidden behind the device.
+  /// Streamed gradients (offload with one micro-step, or
+  /// offload.accumulate_on_host): how long the thread that drives the device
+  /// waited for the host worker during this step's micro-steps (a bucket's
+  /// staging slice still being read by an addition, and the last
+  /// micro-step's wait for every addition and statistic): the part of that
+  /// host work not hidden behind the device.
   double host_add_wait_seconds = 0;
 };
 

@@ -1,5 +1,5 @@
-// HostAdder: see host_adder.hpp.
-#include "host_adder.hpp"
+// HostGradientWorker: see host_gradient_worker.hpp.
+#include "host_gradient_worker.hpp"
 
 #include <omp.h>
 
@@ -9,9 +9,9 @@
 
 namespace zero::detail {
 
-HostAdder::HostAdder(Backend& backend, DType dtype) : backend_(backend), dtype_(dtype), thread_([this] { run(); }) {}
+HostGradientWorker::HostGradientWorker(Backend& backend, DType dtype) : backend_(backend), dtype_(dtype), thread_([this] { run(); }) {}
 
-HostAdder::~HostAdder() {
+HostGradientWorker::~HostGradientWorker() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -21,18 +21,26 @@ HostAdder::~HostAdder() {
   thread_.join();
 }
 
-std::uint64_t HostAdder::add(void* dst, const void* src, std::size_t count) {
+std::uint64_t HostGradientWorker::add(void* dst, const void* src, std::size_t count) {
+  return queue({dst, src, count, nullptr});
+}
+
+std::uint64_t HostGradientWorker::stats(const void* data, std::size_t count, GradStats* out) {
+  return queue({nullptr, data, count, out});
+}
+
+std::uint64_t HostGradientWorker::queue(const Job& job) {
   std::uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    jobs_.push_back({dst, src, count});
+    jobs_.push_back(job);
     ticket = ++queued_;
   }
   queued_cv_.notify_one();
   return ticket;
 }
 
-void HostAdder::wait(std::uint64_t ticket) {
+void HostGradientWorker::wait(std::uint64_t ticket) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] { return done_ >= ticket || error_; });
@@ -40,7 +48,7 @@ void HostAdder::wait(std::uint64_t ticket) {
   if (error_) std::rethrow_exception(error_);  // kept: every later wait fails the same way
 }
 
-void HostAdder::wait_all() {
+void HostGradientWorker::wait_all() {
   std::uint64_t last;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -49,7 +57,7 @@ void HostAdder::wait_all() {
   wait(last);
 }
 
-void HostAdder::run() {
+void HostGradientWorker::run() {
   // Leave a core to the thread that drives the device.
   omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
   std::unique_lock<std::mutex> lock(mutex_);
@@ -61,7 +69,8 @@ void HostAdder::run() {
     lock.unlock();
     std::exception_ptr error;
     try {
-      backend_.host_accumulate(job.dst, job.src, dtype_, job.count);
+      if (job.dst) backend_.host_accumulate(job.dst, job.src, dtype_, job.count);
+      else *job.stats = backend_.host_grad_stats(job.src, job.count, dtype_);
     } catch (...) {
       error = std::current_exception();
     }

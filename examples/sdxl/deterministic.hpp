@@ -18,10 +18,11 @@ namespace sdxl {
 /// value the user set is kept. Strict mode (not warn-only): an operation
 /// without a deterministic kernel stops the run naming itself, rather than
 /// breaking reproducibility quietly. The cuDNN autotuner is turned off by the
-/// caller (its timing-based choice could differ between runs).
-inline void use_deterministic_algorithms(bool on) {
+/// caller (its timing-based choice could differ between runs). `on_gpu`:
+/// the cuBLAS setting is made only where cuBLAS runs.
+inline void use_deterministic_algorithms(bool on, bool on_gpu) {
   if (!on) return;
-  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  if (on_gpu) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   at::globalContext().setDeterministicCuDNN(true);
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 }

@@ -17,7 +17,7 @@ namespace {
 
 DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host) : host_(host) {
   if (cfg.device == "cuda") no_cuda("device = cuda");
-  use_deterministic_algorithms(cfg.deterministic);
+  use_deterministic_algorithms(cfg.deterministic, /*on_gpu=*/false);
   backend_ = zero::make_host_backend();
 }
 

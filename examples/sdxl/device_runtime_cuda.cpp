@@ -20,7 +20,7 @@ namespace sdxl {
 // ------------------------------------------------------------------ the device
 
 DeviceRuntime::DeviceRuntime(const TrainConfig& cfg, zero::MpiCommunicator& host) : host_(host) {
-  use_deterministic_algorithms(cfg.deterministic);
+  use_deterministic_algorithms(cfg.deterministic, /*on_gpu=*/cfg.device == "cuda");
   if (cfg.device != "cuda") {
     backend_ = zero::make_host_backend();
     return;

@@ -22,7 +22,9 @@ void Engine::begin_graph_capture() {
   ZERO_CHECK(m.prepared_for_capture, "begin_graph_capture: call prepare_graph_replay() before the capture begins "
              "(the work outside the graph must be ordered before it)");
   m.prepared_for_capture = false;
-  m.check_gathers();  // none of the eager gathers is left to a check inside the capture
+  // prepare_graph_replay's finish_param_gathers checked every eager gather:
+  // none is left to a check inside the capture.
+  ZERO_ASSERT(m.gathers_to_check.empty(), m.gathers_to_check.size(), " gathers unchecked at the capture");
   m.capturing = true;
   m.pool.begin_capture();
   // The comm stream joins the capture: everything the micro-step queues on

@@ -30,6 +30,23 @@ expect("between-steps ${at_end_mib} MiB vs 72489 MiB measured" at_end_mib GREATE
 string(JSON optimizer GET "${out}" gpu_bytes optimizer_state)
 expect("AdamW state ${optimizer} bytes (2 x 4 x padded elements)" optimizer EQUAL 20539731968)
 
+# --ema-every: the offloaded update moves fewer bytes on the steps without
+# the EMA (8 of 34 a parameter), so a CPU-bound delayed update predicts a
+# shorter step with k = 4 (1 - 8/34 + 8/136 of the update: -18%); memory is unchanged.
+set(offloaded --unet-config sdxl-base --stage 2 --offload-optimizer --delayed-update --ema --batch 8 --checkpointing --json)
+run_plan(out rc err ${offloaded})
+expect("offloaded plan exit status ${rc}: ${err}" rc EQUAL 0)
+string(JSON every1 GET "${out}" relative_time_per_sample)
+string(JSON peak1 GET "${out}" gpu_bytes total_at_step_end)
+run_plan(out rc err ${offloaded} --ema-every 4)
+expect("--ema-every 4 exit status ${rc}: ${err}" rc EQUAL 0)
+string(JSON every4 GET "${out}" relative_time_per_sample)
+string(JSON peak4 GET "${out}" gpu_bytes total_at_step_end)
+expect("--ema-every 4 predicts ${every4} s per sample against ${every1} with every step" "${every4}" LESS "${every1}")
+expect("--ema-every 4 leaves the memory alone: ${peak4} vs ${peak1}" peak4 EQUAL peak1)
+run_plan(out rc err ${offloaded} --ema-every 0)
+expect("--ema-every 0 is refused" NOT rc EQUAL 0)
+
 # The readable table by default.
 run_plan(out rc err --unet-config sdxl-base --stage 3 --offload-optimizer --world-size 8 --ema)
 expect("table exit status ${rc}: ${err}" rc EQUAL 0)

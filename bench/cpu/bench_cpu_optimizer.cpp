@@ -33,15 +33,14 @@ struct Buffers {
 // written (28); bf16 grads + bf16 copy: g is 2, the copy adds 2 written (26).
 std::size_t bytes_per_param(bool mixed) { return mixed ? 26 : 28; }
 
-void run(benchmark::State& state, CpuKernel kernel, bool mixed) {
-  const std::size_t n = static_cast<std::size_t>(state.range(0));
-  Buffers b(n);
-  OptimizerOptions o;
+// The whole of `b` as one span: mixed, bf16 gradients in and a bf16 copy
+// out (the engine's bf16 training); else fp32 gradients and no copy.
+ShardUpdate whole(Buffers& b, bool mixed) {
   ShardUpdate u;
   u.master = b.master.data();
   u.state0 = b.m.data();
   u.state1 = b.v.data();
-  u.count = n;
+  u.count = b.master.size();
   if (mixed) {
     u.grad = b.grad16.data();
     u.grad_dtype = DType::bf16;
@@ -51,6 +50,14 @@ void run(benchmark::State& state, CpuKernel kernel, bool mixed) {
     u.grad = b.grad32.data();
     u.grad_dtype = DType::fp32;
   }
+  return u;
+}
+
+void run(benchmark::State& state, CpuKernel kernel, bool mixed) {
+  const std::size_t n = static_cast<std::size_t>(state.range(0));
+  Buffers b(n);
+  OptimizerOptions o;
+  const ShardUpdate u = whole(b, mixed);
   std::int64_t step = 1;
   for (auto _ : state) {
     cpu_optimizer_step(o, make_step_scalars(o, step++, 1e-4, 1.0), u, kernel);
@@ -133,15 +140,7 @@ void adamw_ema(benchmark::State& state, bool fused) {
   Buffers b(n);
   std::vector<float> ema(b.master);
   OptimizerOptions o;
-  ShardUpdate u;
-  u.master = b.master.data();
-  u.state0 = b.m.data();
-  u.state1 = b.v.data();
-  u.count = n;
-  u.grad = b.grad16.data();
-  u.grad_dtype = DType::bf16;
-  u.model_copy = b.copy16.data();
-  u.model_dtype = DType::bf16;
+  ShardUpdate u = whole(b, /*mixed=*/true);
   constexpr std::size_t kSlice = std::size_t{2} << 20;
   std::int64_t step = 1;
   for (auto _ : state) {

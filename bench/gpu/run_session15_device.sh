@@ -38,14 +38,6 @@ if has calibrate; then
   done
   run_trainer "sdxl-calib-stage0-b8-blocks" 240 --stage 0 --batch_size 8 --units blocks
 fi
-if has gathers; then
-  for batch in 1 8; do
-    for stage in 2 3; do
-      run_trainer "sdxl-gathers-stage$stage-b$batch" 240 --stage "$stage" --batch_size "$batch"
-    done
-  done
-  run_trainer "sdxl-gathers-cap-12GiB-stage3-2x4" 300 --max_gpu_memory 12GiB --stage 3 --offload_optimizer true \
-    --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4
-fi
+if has gathers; then run_gathers_phase; fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

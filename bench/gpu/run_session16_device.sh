@@ -37,15 +37,7 @@ if has offload; then
   CONFIG=$gb8 run_trainer "sdxl-offload-stage3-all-delayed-8x1" 300 --stage 3 --offload_optimizer true \
     --offload_params true --offload_delayed_update true
 fi
-if has gathers; then
-  for batch in 1 8; do
-    for stage in 2 3; do
-      run_trainer "sdxl-gathers-stage$stage-b$batch" 240 --stage "$stage" --batch_size "$batch"
-    done
-  done
-  run_trainer "sdxl-gathers-cap-12GiB-stage3-2x4" 300 --max_gpu_memory 12GiB --stage 3 --offload_optimizer true \
-    --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4
-fi
+if has gathers; then run_gathers_phase; fi
 if has hostbench; then
   say "hostbench"
   "$BUILD/bench/cpu/bench_cpu_optimizer" --benchmark_filter='EMA|bf16_1group|Memcpy' --benchmark_repetitions=3 \

@@ -31,6 +31,21 @@ PY
   cp "/tmp/$name/metrics.jsonl" "$OUT_DIR/$name.jsonl" 2>/dev/null
 }
 
+# run_gathers_phase: stage 3 without the host wait per unit (2026-12-05):
+# stage 3 eager at batch 1 and 8 against stage 2 (measured +41% and +2.5%
+# with the wait), and stage 3 with offload_params under 12 GiB at 2 x 4 (2.81
+# images/s with the wait; prediction in docs/perf-notes.md).
+run_gathers_phase() {
+  local batch stage
+  for batch in 1 8; do
+    for stage in 2 3; do
+      run_trainer "sdxl-gathers-stage$stage-b$batch" 240 --stage "$stage" --batch_size "$batch"
+    done
+  done
+  run_trainer "sdxl-gathers-cap-12GiB-stage3-2x4" 300 --max_gpu_memory 12GiB --stage 3 --offload_optimizer true \
+    --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4
+}
+
 # summarize_runs DIR: one JSON line per run (mean images/s after step 5, MFU,
 # peaks, loss, mean timings) and DIR/summary.json.
 summarize_runs() {

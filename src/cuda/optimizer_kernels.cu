@@ -235,6 +235,10 @@ void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
 void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
                     const ShardUpdate& u, const LaunchTuning& tuning, Stream stream) {
   tuning.validate();
+  // The device keeps its EMA update a kernel of its own (ema_update): its
+  // memory traffic is not what bounds a step there.
+  ZERO_CHECK(u.ema == nullptr, "optimizer_step on the GPU: ShardUpdate.ema (the EMA in the update's pass) is a "
+             "host kernel's; run ema_update after the step");
   check_dtype(u.grad_dtype, "ShardUpdate.grad_dtype");
   if (u.model_copy != nullptr) check_dtype(u.model_dtype, "ShardUpdate.model_dtype");
   if (u.count == 0) return;

@@ -224,6 +224,28 @@ void Engine::Impl::finish_param_gathers() {
   // Stage 3's unit gathers too: with offload_params they read the host shard
   // that the CPU update writes, and every caller is about to touch the state.
   check_gathers();
+  drop_unused_prefetches();
+}
+
+void Engine::Impl::drop_unused_prefetches() {
+  // A unit prefetched but not gathered (the prefetch for a backward that
+  // did not need the unit) holds the parameters of now: served after the
+  // state changes (an update, set_param, a load) it would be stale.
+  for (std::size_t u = 0; u < unit_buffer.size(); ++u) {
+    if (unit_refs[u] > 0 || (!unit_buffer[u] && (frozen_unit_buffer.empty() || !frozen_unit_buffer[u]))) continue;
+    for (WorkPtr* work : {&unit_work[u], has_frozen() ? &frozen_unit_work[u] : nullptr}) {
+      if (!work || !*work) continue;
+      wait_for_collective(**work);  // its error, if any, surfaces here
+      work->reset();
+    }
+    // Only the comm stream (the gather) wrote them.
+    if (unit_buffer[u]) pool.give_back(kParams, unit_buffer[u], layout.buckets()[u].padded * p_size, backend.comm_stream());
+    unit_buffer[u] = nullptr;
+    if (has_frozen() && frozen_unit_buffer[u]) {
+      pool.give_back(kParams, frozen_unit_buffer[u], frozen_layout.buckets()[u].padded * p_size, backend.comm_stream());
+      frozen_unit_buffer[u] = nullptr;
+    }
+  }
 }
 
 void Engine::Impl::settle() {

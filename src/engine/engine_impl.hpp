@@ -165,6 +165,9 @@ struct Engine::Impl {
   /// with its result next); a device one's joins gathers_to_check.
   void check_gather_later(WorkPtr work);
   void check_gathers();
+  /// Stage 3: gives back the buffers of units prefetched but never gathered
+  /// (their values predate what the caller is about to change).
+  void drop_unused_prefetches();
 
   void finish_param_gather(std::size_t b);
   void finish_param_gathers();

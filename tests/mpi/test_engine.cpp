@@ -257,6 +257,32 @@ TEST_CASE("EmaOptions::decay_at: the warm-up decay, multiplied over every k step
   CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("ema.every must be >= 1"), InvalidArgument);
 }
 
+// A stage-3 prefetch that no gather used before step() (a unit prefetched
+// for a backward that did not need it) holds the parameters from before the
+// update: step() drops it, and the next gather brings the updated ones.
+TEST_CASE("stage 3: a prefetch left unused across step() is not served stale afterwards") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  for (const bool offload_params : {false, true}) {
+    CAPTURE(offload_params);
+    EngineOptions o;
+    o.stage = 3;
+    o.param_dtype = DType::bf16;
+    o.buckets.alignment_elements = 4;
+    o.optimizer.lr = 0.05;
+    o.offload.optimizer = offload_params;
+    o.offload.params = offload_params;
+    Engine engine(mlp_units(), o, comm, *backend);
+    init_random_params(engine);
+    const auto before = read_model_params(engine);
+    engine.prefetch_unit(1);
+    REQUIRE(run_step_from(engine, before, 1, comm.rank(), StepGradient::pull_to_half).applied);
+    const auto after = read_model_params(engine);  // gathers unit 1 again
+    CHECK(bitwise_equal(after, engine.gather_model_params()));
+    CHECK_FALSE(bitwise_equal(after, before));
+  }
+}
+
 // ZeRO-Offload runs the same per-element math on the CPU (bit-identical to
 // the device kernels), so moving the optimizer to host memory must not change
 // a single bit of the weights, the EMA or the gradient norms.

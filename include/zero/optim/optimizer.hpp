@@ -174,13 +174,14 @@ struct ShardUpdate {
   float* state1 = nullptr;                // AdamW v
   void* model_copy = nullptr;             // optional: updated params rounded to model_dtype
   DType model_dtype = DType::bf16;
+  std::size_t count = 0;
   /// Optional: the fp32 exponential moving average of the weights, updated in
   /// the same pass from the new master value (ema_element with ema_decay and
   /// 1 - ema_decay rounded to float): the same bits as cpu_ema_update over
-  /// the updated master, without reading the master a second time.
+  /// the updated master, without reading the master a second time. The CPU
+  /// kernels only (the GPU's optimizer_step refuses it).
   float* ema = nullptr;
   double ema_decay = 0;
-  std::size_t count = 0;
 
   /// Elements [begin, begin + n) of this span.
   ShardUpdate slice(std::size_t begin, std::size_t n) const {

@@ -117,7 +117,7 @@ std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std
 }
 
 Engine::Impl::~Impl() {
-  host_worker.reset();  // stops its additions before the host shards they write go
+  host_worker.reset();  // stops its jobs before the host shards they read and write go
   updater.reset();  // joins a delayed update before the state it writes goes
   pending.clear();  // Work destructors wait
   param_gathers.clear();
@@ -232,7 +232,8 @@ void Engine::Impl::drop_unused_prefetches() {
   // did not need the unit) holds the parameters of now: served after the
   // state changes (an update, set_param, a load) it would be stale.
   for (std::size_t u = 0; u < unit_buffer.size(); ++u) {
-    if (unit_refs[u] > 0 || (!unit_buffer[u] && (frozen_unit_buffer.empty() || !frozen_unit_buffer[u]))) continue;
+    const bool held = unit_buffer[u] || (has_frozen() && frozen_unit_buffer[u]);
+    if (!held || unit_refs[u] > 0) continue;
     for (WorkPtr* work : {&unit_work[u], has_frozen() ? &frozen_unit_work[u] : nullptr}) {
       if (!work || !*work) continue;
       wait_for_collective(**work);  // its error, if any, surfaces here

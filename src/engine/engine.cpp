@@ -615,10 +615,10 @@ GradStats Engine::local_grad_stats(StepResult& result) {
   const auto& buckets = layout_.buckets();
   if (m.plan.streams_grads_to_host) {  // the gradients are in host memory: summed there, the same way
     // Each bucket's were summed on the host worker as its gradient of the
-    // step landed, beside backward (finish_micro_step waited for them); here
-    // they are added in bucket order, as the whole shard's would be.
+    // step landed, beside backward (the last finish_micro_step waited for
+    // them; reset_gradients clears the flags); here they are added in bucket
+    // order, as the whole shard's would be.
     const auto start = std::chrono::steady_clock::now();
-    m.finish_host_work();
     GradStats local;
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       ZERO_ASSERT(m.bucket_stats_queued[b], "bucket ", b, "'s gradient statistics were not queued this step");
@@ -626,7 +626,6 @@ GradStats Engine::local_grad_stats(StepResult& result) {
       local.sum_squares += part.sum_squares;
       local.nonfinite = local.nonfinite || part.nonfinite;
     }
-    std::fill(m.bucket_stats_queued.begin(), m.bucket_stats_queued.end(), 0);
     result.cpu_grad_stats_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return local;
   }

@@ -34,7 +34,7 @@ class HostGradientWorker {
  public:
   HostGradientWorker(Backend& backend, DType dtype);
   /// Drops what is still queued (its buffers are about to go) after the
-  /// addition under way, and joins the thread.
+  /// job under way, and joins the thread.
   ~HostGradientWorker();
   HostGradientWorker(const HostGradientWorker&) = delete;
   HostGradientWorker& operator=(const HostGradientWorker&) = delete;
@@ -45,8 +45,8 @@ class HostGradientWorker {
   /// Queues *out = Backend::host_grad_stats(data, count) behind everything
   /// queued before; returns its ticket. data and out as for add().
   std::uint64_t stats(const void* data, std::size_t count, GradStats* out);
-  /// Blocks until the addition with `ticket` and every one queued before it
-  /// are done; rethrows what an addition threw. Ticket 0: nothing to wait for.
+  /// Blocks until the job with `ticket` and every one queued before it are
+  /// done; rethrows what a job threw. Ticket 0: nothing to wait for.
   void wait(std::uint64_t ticket);
   void wait_all();
   /// Host seconds spent blocked in wait / wait_all since the last call

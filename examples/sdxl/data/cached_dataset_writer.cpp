@@ -1,13 +1,13 @@
 // The cached dataset's writer (prepare, tests): samples into safetensors
 // shards and index.json, each file written atomically. The format and the
 // reader: cached_dataset.cpp, docs/dataset.md.
-#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "data/cached_dataset.hpp"
 #include "zero/core/error.hpp"
 #include "zero/io/atomic_file.hpp"
 #include "zero/io/safetensors.hpp"
+#include "zero/optim/optimizer.hpp"
 
 namespace sdxl::data {
 namespace {
@@ -16,18 +16,11 @@ using Json = nlohmann::json;
 
 std::vector<std::byte> to_storage(const std::vector<float>& values, zero::DType dtype) {
   std::vector<std::byte> bytes(values.size() * zero::size_of(dtype));
-  if (dtype == zero::DType::fp32) {
-    if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
-  } else {
-    for (std::size_t i = 0; i < values.size(); ++i)
-      zero::store_from_float(bytes.data(), i, dtype, values[i]);
-  }
+  zero::cpu_convert(values.data(), zero::DType::fp32, bytes.data(), dtype, values.size());
   return bytes;
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------- writer
 
 CachedDatasetWriter::CachedDatasetWriter(std::filesystem::path directory, CachedDatasetWriterOptions options)
     : directory_(std::move(directory)), options_(options) {

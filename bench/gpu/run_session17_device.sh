@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 17 (2026-12-05): what the offloaded forward+backward loses to the
+# CPU. Session 16 measured, stage 2, offload, delayed update, 8 x 1, AdamW +
+# EMA: forward+backward 0.836 s against 0.567 s on the device (sync offload,
+# whose CPU is idle during backward: 0.63-0.65 s). Two OpenMP teams of
+# cores-1 threads (the delayed update's and the host gradient worker's) run
+# beside the thread that launches the kernels. This phase runs the same
+# configuration with OpenMP's idle threads sleeping instead of spinning
+# (OMP_WAIT_POLICY=passive) and with smaller teams (OMP_NUM_THREADS), each
+# against the default in the same call.
+#   STEPS=10 bash bench/gpu/run_session17_device.sh   (carry .deps; needs a built build/cuda)
+set -uo pipefail
+NAME=s17 DEFAULT_PHASES="omp"
+source bench/gpu/device_env.sh
+if has build; then build_targets ${TARGETS:-}; fi
+source bench/gpu/trainer_run.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+if has omp; then
+  gb8=/tmp/sdxl-1024-gb8.toml
+  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
+  CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
+  OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
+  OMP_NUM_THREADS=13 OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-threads13-passive" 150 "${delayed[@]}"
+  OMP_NUM_THREADS=13 CONFIG=$gb8 run_trainer "sdxl-omp-threads13" 150 "${delayed[@]}"
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+say "done"

@@ -6,8 +6,9 @@
 # cores-1 threads (the delayed update's and the host gradient worker's) run
 # beside the thread that launches the kernels. This phase runs the same
 # configuration with OpenMP's idle threads sleeping instead of spinning
-# (OMP_WAIT_POLICY=passive) and with smaller teams (OMP_NUM_THREADS), each
-# against the default in the same call.
+# (OMP_WAIT_POLICY=passive) and with other team sizes
+# (offload_update_threads, offload_gradient_threads), each against the
+# default in the same call.
 #   STEPS=10 bash bench/gpu/run_session17_device.sh   (carry .deps; needs a built build/cuda)
 set -uo pipefail
 NAME=s17 DEFAULT_PHASES="omp"
@@ -20,9 +21,10 @@ if has omp; then
   sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
+  CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
   OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
-  OMP_NUM_THREADS=13 OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-threads13-passive" 150 "${delayed[@]}"
-  OMP_NUM_THREADS=13 CONFIG=$gb8 run_trainer "sdxl-omp-threads13" 150 "${delayed[@]}"
+  CONFIG=$gb8 run_trainer "sdxl-omp-update15-grad2" 150 "${delayed[@]}" --offload_gradient_threads 2
+  CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

@@ -72,6 +72,14 @@ std::vector<Option> options_of(TrainConfig& c) {
        "with offload_optimizer and accumulation: every micro-step's gradients stream to host memory and the CPU "
        "adds them (the same bits), so no gradient shard stays on the GPU (its whole size on one GPU); costs a "
        "pinned gradient shard on the host and a CPU pass per micro-step"},
+      {"zero", "offload_update_threads", &c.offload_update_threads,
+       "with offload_optimizer: OpenMP threads of the CPU update that runs beside the GPU (the delayed update, the "
+       "EMA); 0: OpenMP's default (OMP_NUM_THREADS, else the cores) less one, left to the thread that launches the "
+       "kernels"},
+      {"zero", "offload_gradient_threads", &c.offload_gradient_threads,
+       "with offload_optimizer: OpenMP threads of the host gradient worker (statistics of the downloaded "
+       "gradients, host accumulation), which runs during backward beside the delayed update; 0: as "
+       "offload_update_threads"},
       {"zero", "delayed_update_warmup", &c.delayed_update_warmup,
        "with offload_delayed_update: this many first steps update synchronously"},
       {"output", "output_dir", &c.output_dir, "where metrics, checkpoints and exports go"},

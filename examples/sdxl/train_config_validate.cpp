@@ -140,6 +140,11 @@ void TrainConfig::validate() const {
   ZERO_CHECK(!offload_accumulate_on_host || accumulation_mode == "each",
              "offload_accumulate_on_host needs accumulation_mode = \"each\" (with \"boundary\" the micro-steps "
              "accumulate on the GPU before the one reduction), got \"", accumulation_mode, "\"");
+  ZERO_CHECK(offload_update_threads >= 0 && offload_update_threads <= 4096,
+             "offload_update_threads must be in [0, 4096] (0: the cores less one), got ", offload_update_threads);
+  ZERO_CHECK(offload_gradient_threads >= 0 && offload_gradient_threads <= 4096,
+             "offload_gradient_threads must be in [0, 4096] (0: as offload_update_threads), got ",
+             offload_gradient_threads);
   ZERO_CHECK(delayed_update_warmup >= 0 && delayed_update_warmup <= std::numeric_limits<int>::max(),
              "delayed_update_warmup must be >= 0, got ", delayed_update_warmup);
   if (!max_gpu_memory.empty()) {

@@ -149,8 +149,7 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_] {
     const auto start = std::chrono::steady_clock::now();
     try {
-      // Leave a core to the thread that drives the device.
-      omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+      omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
       if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
       for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed

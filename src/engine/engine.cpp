@@ -68,7 +68,9 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   frozen_unit_work.resize(frozen_layout.buckets().size());
   updater = detail::make_updater(*this);
   if (plan.streams_grads_to_host) {
-    host_worker = std::make_unique<detail::HostGradientWorker>(backend, gdt);
+    const OffloadOptions& offload = options.offload;
+    host_worker = std::make_unique<detail::HostGradientWorker>(
+        backend, gdt, offload.gradient_worker_threads > 0 ? offload.gradient_worker_threads : offload.update_threads);
     staging_add.assign(layout.buckets().size(), 0);
     bucket_stats.assign(layout.buckets().size(), GradStats{});
     bucket_stats_queued.assign(layout.buckets().size(), 0);

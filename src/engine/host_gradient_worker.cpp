@@ -9,7 +9,10 @@
 
 namespace zero::detail {
 
-HostGradientWorker::HostGradientWorker(Backend& backend, DType dtype) : backend_(backend), dtype_(dtype), thread_([this] { run(); }) {}
+int host_team_threads(int requested) { return requested > 0 ? requested : std::max(1, omp_get_max_threads() - 1); }
+
+HostGradientWorker::HostGradientWorker(Backend& backend, DType dtype, int threads)
+    : backend_(backend), dtype_(dtype), threads_(threads), thread_([this] { run(); }) {}
 
 HostGradientWorker::~HostGradientWorker() {
   {
@@ -58,8 +61,7 @@ void HostGradientWorker::wait_all() {
 }
 
 void HostGradientWorker::run() {
-  // Leave a core to the thread that drives the device.
-  omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+  omp_set_num_threads(host_team_threads(threads_));
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     queued_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });

@@ -30,9 +30,16 @@
 
 namespace zero::detail {
 
+/// The OpenMP team of a host thread that works beside the device
+/// (OffloadOptions::update_threads): `requested`, or with 0 OpenMP's default
+/// less one, left to the thread that launches the kernels. Call it on the
+/// thread that runs the team.
+int host_team_threads(int requested);
+
 class HostGradientWorker {
  public:
-  HostGradientWorker(Backend& backend, DType dtype);
+  /// threads: the worker's OpenMP team (host_team_threads).
+  HostGradientWorker(Backend& backend, DType dtype, int threads = 0);
   /// Drops what is still queued (its buffers are about to go) after the
   /// job under way, and joins the thread.
   ~HostGradientWorker();
@@ -65,6 +72,7 @@ class HostGradientWorker {
 
   Backend& backend_;
   const DType dtype_;
+  const int threads_;
   std::mutex mutex_;
   std::condition_variable queued_cv_, done_cv_;
   std::deque<Job> jobs_;

@@ -52,8 +52,7 @@ void OffloadUpdater::start_ema(double decay) {
   ema_error_ = nullptr;
   ema_thread_ = std::thread([this, decay] {
     try {
-      // Leave a core to the thread that drives the device.
-      omp_set_num_threads(std::max(1, omp_get_max_threads() - 1));
+      omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
       // In the update's slices (the kernel is element-wise: the same bits in any cut).
       constexpr std::size_t kSlice = std::size_t{2} << 20;
       const std::size_t n = m_.layout.shard_numel();

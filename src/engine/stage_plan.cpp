@@ -63,6 +63,11 @@ void EngineOptions::validate() const {
              "EngineOptions.offload: offload_accumulate_on_host adds each micro-step's reduced gradients on the "
              "host; with accumulation_mode boundary the micro-steps accumulate on the device before the one "
              "reduction (use accumulation_mode each)");
+  ZERO_CHECK(offload.update_threads >= 0, "EngineOptions.offload.update_threads must be >= 0 (0: OpenMP's default less one), got ",
+             offload.update_threads);
+  ZERO_CHECK(offload.gradient_worker_threads >= 0,
+             "EngineOptions.offload.gradient_worker_threads must be >= 0 (0: as update_threads), got ",
+             offload.gradient_worker_threads);
   ZERO_CHECK(offload.delayed_update_warmup_steps >= 0,
              "EngineOptions.offload.delayed_update_warmup_steps must be >= 0, got ",
              offload.delayed_update_warmup_steps);

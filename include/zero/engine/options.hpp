@@ -111,6 +111,16 @@ struct OffloadOptions {
   /// shard stays on the device (its whole size at N = 1). Costs one more
   /// pinned gradient shard on the host and a CPU pass per micro-step.
   bool accumulate_on_host = false;
+  /// Host threads beside the device. The CPU update that runs while the
+  /// device computes (the delayed update, the EMA thread of the synchronous
+  /// one) and the host gradient worker (statistics of the downloaded
+  /// gradients, host accumulation) each run an OpenMP team, and with the
+  /// delayed update both run during backward, beside the thread that
+  /// launches the kernels. 0: OpenMP's default team (OMP_NUM_THREADS, else
+  /// the cores) less one, left to that thread.
+  int update_threads = 0;
+  /// The host gradient worker's team; 0: as update_threads.
+  int gradient_worker_threads = 0;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

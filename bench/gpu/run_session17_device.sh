@@ -7,8 +7,9 @@
 # beside the thread that launches the kernels. This phase runs the same
 # configuration with OpenMP's idle threads sleeping instead of spinning
 # (OMP_WAIT_POLICY=passive) and with other team sizes
-# (offload_update_threads, offload_gradient_threads), each against the
-# default in the same call.
+# (offload_update_threads, offload_gradient_threads), and with more gradient
+# downloads in flight before backward's thread waits for the oldest
+# (reductions_in_flight), each against the default in the same call.
 #   STEPS=10 bash bench/gpu/run_session17_device.sh   (carry .deps; needs a built build/cuda)
 set -uo pipefail
 NAME=s17 DEFAULT_PHASES="omp"
@@ -22,8 +23,8 @@ if has omp; then
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
   CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
+  CONFIG=$gb8 run_trainer "sdxl-omp-in-flight8" 150 "${delayed[@]}" --reductions_in_flight 8
   OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
-  CONFIG=$gb8 run_trainer "sdxl-omp-update15-grad2" 150 "${delayed[@]}" --offload_gradient_threads 2
   CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"

@@ -22,8 +22,8 @@ if has omp; then
   sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
-  CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
   CONFIG=$gb8 run_trainer "sdxl-omp-in-flight8" 150 "${delayed[@]}" --reductions_in_flight 8
+  CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
   OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
   CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2
 fi

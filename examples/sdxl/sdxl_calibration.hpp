@@ -62,8 +62,10 @@ inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.
 /// 0.2523 s at batch 4 and 0.4084 s at batch 8 (the checkpointed runs divided
 /// by 1.33), unet_bench's 0.0392 s per sample beyond; x 1.33 with
 /// checkpointing; 0.04 s per step for the device AdamW + EMA. Offload: the
-/// host's AdamW + EMA ran at 2.25 G elements/s (1.14 s per step for 2.57 B),
-/// PCIe at 50 GB/s, stage 3's parameter uploads (offload_params) at 24.3.
+/// host's AdamW + EMA (the EMA in the update's pass) ran at 2.65 G elements/s
+/// (0.97 s per step for 2.57 B, delayed, beside backward), 0.85 s without
+/// the EMA; PCIe at 50 GB/s, stage 3's parameter uploads (offload_params)
+/// at 24.3.
 inline zero::plan::SpeedModel speed_model() {
   zero::plan::SpeedModel s;
   s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.30x at batch 8
@@ -76,7 +78,12 @@ inline zero::plan::SpeedModel speed_model() {
   s.gpu_seconds_per_sample = 0.0392;
   s.measured_micro_step_seconds = {{1, 0.2265}, {2, 0.1396}, {4, 0.2523}, {8, 0.4084}};
   s.optimizer_seconds_per_step = 0.04;
-  s.cpu_elements_per_second = 2.25e9;
+  // bench/results/session17-h200.md: stage 2, offload, delayed, 8 x 1, the
+  // update beside backward: 0.97 s with the EMA every step; with ema_every 4
+  // 0.85 s at the steps without it, so the EMA is 1 - 0.85 / 0.97 of the
+  // update's time (less than its 8 of 34 bytes: it reads the master from cache).
+  s.cpu_elements_per_second = 2.65e9;
+  s.cpu_ema_share = 0.125;
   // Not measured on the H200 host: the bf16 addition ran 4.6x the AdamW + EMA
   // rate on the 2-core CI machine (6.7 vs 1.45 G elements/s), applied to 2.25.
   s.cpu_add_elements_per_second = 10e9;

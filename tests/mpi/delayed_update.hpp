@@ -88,6 +88,13 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         Engine sync(mlp_units(), o, comm, backend);
         o.offload.delayed_update = true;
         o.offload.delayed_update_warmup_steps = warmup;
+        // Other host teams than the synchronous engine's where several
+        // micro-steps run: the kernels cut their work by chunks, not by
+        // threads, so the bits are the same.
+        if (c.accumulation > 1) {
+          o.offload.update_threads = 3;
+          o.offload.gradient_worker_threads = c.accumulate_on_host ? 2 : 0;
+        }
         Engine delayed(mlp_units(), o, comm, backend);
         init_random_params(sync);
         init_random_params(delayed);

@@ -433,4 +433,12 @@ TEST_CASE("the delayed update is refused without offload, accepted with offload_
   o.offload.params = false;
   CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("delayed_update_warmup_steps"),
                        InvalidArgument);
+  o.offload.delayed_update_warmup_steps = 0;
+  o.offload.update_threads = -1;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("offload.update_threads"),
+                       InvalidArgument);
+  o.offload.update_threads = 0;
+  o.offload.gradient_worker_threads = -2;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), o, comm, *backend), doctest::Contains("offload.gradient_worker_threads"),
+                       InvalidArgument);
 }

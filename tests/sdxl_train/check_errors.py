@@ -109,6 +109,10 @@ check_refused_early(train("latent", "--latent_size", "65536"), "latent_size 6553
 check_refused_early(train("batch_huge", "--batch_size", "1000000"), "batch_size 1e6", r"batch_size .*\[1, 65536\]")
 check_refused_early(train("ema_every", "--ema_decay", "0.99", "--ema_every", "200"), "ema_every 200 at decay 0.99",
                     r"ema_every = 200 is longer than the EMA's horizon")
+check_refused_early(train("threads", "--offload_update_threads", "-1"), "offload_update_threads -1",
+                    r"offload_update_threads must be in \[0, 4096\]")
+check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductions_in_flight 0",
+                    r"reductions_in_flight \(\[zero\]\) must be in \[1, 1024\]")
 unet = json.load(open(UNET_JSON))
 deep = dict(unet, layers_per_block=100000)
 path_deep = os.path.join(WORK, "layers_100000.json")

@@ -132,11 +132,7 @@ Engine::Impl::~Impl() {
   else pool.free(frozen_shard, frozen_layout.shard_numel() * p_size);
   for (std::size_t b = 0; b < bucket_buffer.size(); ++b) pool.free(bucket_buffer[b], layout.buckets()[b].padded * g_size);
   for (std::size_t u = 0; u < unit_buffer.size(); ++u) pool.free(unit_buffer[u], layout.buckets()[u].padded * p_size);
-  for (Download& d : downloads) {
-    backend.wait_event(d.copied);
-    backend.release_event(d.copied);
-    pool.free(d.scratch, d.bytes);
-  }
+  release_download_events();  // the worker is gone (above)
   const std::size_t full = layout.padded_numel(), shard = layout.shard_numel();
   pool.free(params_full, full * p_size);
   if (plan.params_on_host) pool.free_host(param_shard, shard * p_size);

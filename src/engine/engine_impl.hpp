@@ -97,28 +97,20 @@ struct Engine::Impl {
     void* scratch = nullptr;  // reduced values still to be added to the accumulator (or copied down)
     std::size_t scratch_bytes = 0;
   };
-  // Gradient downloads in flight (plan.streams_grads_to_host): the device
-  // block holding a bucket's reduced slice is reused only once its copy has landed.
-  struct Download {
-    std::byte* scratch = nullptr;  // null when the slice was reduced in place (stage 1)
-    std::size_t bytes = 0;
-    Event copied = nullptr;
-    std::size_t bucket = 0;
-    // Accumulating on the host after the first micro-step: the slice lands
-    // in staging, to be added into the host gradient shard once it has.
-    // (Both are retired within the micro-step: the updater swaps its host
-    // shards only in step().)
-    bool add_from_staging = false;
-    // The step's last micro-step: once landed (and added), the bucket's
-    // gradient of the step is whole and its statistics are queued.
-    bool last_of_step = false;
-  };
+  // Gradient downloads (plan.streams_grads_to_host): the event of each
+  // bucket's copy to host memory. The device block it reads goes back to the
+  // pool at once (stream-ordered: its next user waits on the device), and the
+  // host worker's jobs on the slice wait for the copy on the worker's thread,
+  // so backward's thread never waits for a copy. complete_all waits for them
+  // (download_events_waited: how many it has); finish_host_work releases them
+  // once the worker is done with them.
   std::vector<char> param_ready;
   std::vector<std::size_t> bucket_ready_count;
   std::vector<char> accumulator_has_data;  // this step
   std::vector<std::byte*> bucket_buffer;   // transient per-bucket gradient buffers
   std::deque<Pending> pending;
-  std::deque<Download> downloads;
+  std::vector<Event> download_events;
+  std::size_t download_events_waited = 0;
   int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
   // plan.streams_grads_to_host: the host's work on the streamed gradients
   // on a thread of its own: with accumulates_on_host the additions of staged
@@ -133,12 +125,13 @@ struct Engine::Impl {
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);
-  void retire_download();
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();
   /// Every host job done (host_worker): the host gradient shard is whole,
   /// and the queued statistics are in bucket_stats.
   void finish_host_work();
+  /// Waits for and releases download_events (the worker is idle or gone).
+  void release_download_events();
   /// Zeroes the gradient buffers for the next step.
   void reset_gradients();
 

@@ -24,12 +24,12 @@ HostGradientWorker::~HostGradientWorker() {
   thread_.join();
 }
 
-std::uint64_t HostGradientWorker::add(void* dst, const void* src, std::size_t count) {
-  return queue({dst, src, count, nullptr});
+std::uint64_t HostGradientWorker::add(void* dst, const void* src, std::size_t count, Event after) {
+  return queue({dst, src, count, nullptr, after});
 }
 
-std::uint64_t HostGradientWorker::stats(const void* data, std::size_t count, GradStats* out) {
-  return queue({nullptr, data, count, out});
+std::uint64_t HostGradientWorker::stats(const void* data, std::size_t count, GradStats* out, Event after) {
+  return queue({nullptr, data, count, out, after});
 }
 
 std::uint64_t HostGradientWorker::queue(const Job& job) {
@@ -71,6 +71,7 @@ void HostGradientWorker::run() {
     lock.unlock();
     std::exception_ptr error;
     try {
+      if (job.after) backend_.wait_event(job.after);
       if (job.dst) backend_.host_accumulate(job.dst, job.src, dtype_, job.count);
       else *job.stats = backend_.host_grad_stats(job.src, job.count, dtype_);
     } catch (...) {

@@ -47,11 +47,14 @@ class HostGradientWorker {
   HostGradientWorker& operator=(const HostGradientWorker&) = delete;
 
   /// Queues dst += src over `count` elements; returns its ticket. Both
-  /// buffers must stay until wait(ticket) (or wait_all) has returned.
-  std::uint64_t add(void* dst, const void* src, std::size_t count);
+  /// buffers must stay until wait(ticket) (or wait_all) has returned. With
+  /// `after` (a backend event: the copy that brings src down), the worker
+  /// waits for it first, so the thread that queues never waits for a copy;
+  /// the event must stay until then (the caller releases it after wait_all).
+  std::uint64_t add(void* dst, const void* src, std::size_t count, Event after = nullptr);
   /// Queues *out = Backend::host_grad_stats(data, count) behind everything
-  /// queued before; returns its ticket. data and out as for add().
-  std::uint64_t stats(const void* data, std::size_t count, GradStats* out);
+  /// queued before; returns its ticket. data, out and after as for add().
+  std::uint64_t stats(const void* data, std::size_t count, GradStats* out, Event after = nullptr);
   /// Blocks until the job with `ticket` and every one queued before it are
   /// done; rethrows what a job threw. Ticket 0: nothing to wait for.
   void wait(std::uint64_t ticket);
@@ -66,6 +69,7 @@ class HostGradientWorker {
     const void* src;
     std::size_t count;
     GradStats* stats;
+    Event after;  // waited for before the job; null: nothing
   };
   std::uint64_t queue(const Job& job);
   void run();

@@ -58,30 +58,43 @@ void Engine::Impl::complete(Pending& entry) {
   if (entry.work) wait_for_collective(*entry.work);
   const Bucket& bucket = layout.buckets()[entry.bucket];
   if (plan.streams_grads_to_host) {
-    // The reduced slice goes down now, overlapping the rest of backward;
-    // the device block it is read from is held until the copy lands.
-    Download d{static_cast<std::byte*>(entry.scratch), entry.scratch_bytes, nullptr, entry.bucket,
-               plan.accumulates_on_host && micro_step > 0, micro_step + 1 == options.accumulation_steps};
+    // The reduced slice goes down now, overlapping the rest of backward.
+    const bool add_from_staging = plan.accumulates_on_host && micro_step > 0;
+    const bool last_of_step = micro_step + 1 == options.accumulation_steps;
+    std::byte* scratch = static_cast<std::byte*>(entry.scratch);
+    std::size_t scratch_bytes = entry.scratch_bytes;
     const void* reduced = entry.scratch;
     if (!entry.scratch && plan.reduces_in_place()) {
       reduced = reduced_grad(entry.bucket);
     } else if (!entry.scratch && plan.full_grads) {  // one rank, stage 1: the slice of the full buffer
       reduced = grads_full + bucket.offset * g_size;
     } else if (!entry.scratch) {  // one rank: the bucket buffer itself
-      d.scratch = bucket_buffer[entry.bucket];
-      d.bytes = bucket.padded * g_size;
+      scratch = bucket_buffer[entry.bucket];
+      scratch_bytes = bucket.padded * g_size;
       bucket_buffer[entry.bucket] = nullptr;
-      reduced = d.scratch;
+      reduced = scratch;
     }
-    std::byte* host = (d.add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) +
-                      bucket.shard_offset * g_size;
+    const std::size_t at = bucket.shard_offset * g_size;
+    std::byte* host = (add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) + at;
     // The last micro-step's addition must have read this staging slice.
-    if (d.add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
+    if (add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
     backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
-    d.copied = backend.record_event(backend.comm_stream());
-    downloads.push_back(d);
+    const Event copied = backend.record_event(backend.comm_stream());
+    download_events.push_back(copied);
+    // Its next user waits on the device for the copy, not this thread.
+    if (scratch) pool.give_back(kBuffers, scratch, scratch_bytes, backend.comm_stream());
     entry.scratch = nullptr;
-    while (downloads.size() > static_cast<std::size_t>(options.buckets.max_reductions_in_flight)) retire_download();
+    // The worker waits for the copy, then adds the staged slice into the
+    // host shard (accumulating on the host) and, at the step's last
+    // micro-step, sums the bucket's whole gradient of the step.
+    if (add_from_staging)
+      staging_add[entry.bucket] =
+          host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size,
+                           copied);
+    if (last_of_step) {
+      host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[entry.bucket], copied);
+      bucket_stats_queued[entry.bucket] = 1;
+    }
   }
   if (entry.scratch) {
     backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt, bucket.shard_size,
@@ -94,30 +107,14 @@ void Engine::Impl::complete(Pending& entry) {
   }
 }
 
-void Engine::Impl::retire_download() {
-  Download d = downloads.front();
-  downloads.pop_front();
-  backend.wait_event(d.copied);
-  backend.release_event(d.copied);
-  if (d.scratch) pool.give_back(kBuffers, d.scratch, d.bytes, backend.comm_stream());
-  const Bucket& bucket = layout.buckets()[d.bucket];
-  const std::size_t at = bucket.shard_offset * g_size;
-  if (d.add_from_staging) {  // landed: added on the worker's thread, beside the rest of backward
-    staging_add[d.bucket] =
-        host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size);
-  }
-  if (d.last_of_step) {  // the bucket's gradient of the step is whole behind what is queued
-    host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[d.bucket]);
-    bucket_stats_queued[d.bucket] = 1;
-  }
-}
-
 void Engine::Impl::complete_all() {
   while (!pending.empty()) {
     complete(pending.front());
     pending.pop_front();
   }
-  while (!downloads.empty()) retire_download();
+  // The micro-step's gradients are in host memory when it ends.
+  for (; download_events_waited < download_events.size(); ++download_events_waited)
+    backend.wait_event(download_events[download_events_waited]);
   order_after(backend.compute_stream(), backend.comm_stream());
 }
 
@@ -125,6 +122,17 @@ void Engine::Impl::finish_host_work() {
   if (!host_worker) return;
   host_worker->wait_all();
   std::fill(staging_add.begin(), staging_add.end(), 0);
+  release_download_events();
+}
+
+void Engine::Impl::release_download_events() {
+  // Only once no worker job can still be waiting for one of them.
+  for (Event e : download_events) {
+    backend.wait_event(e);
+    backend.release_event(e);
+  }
+  download_events.clear();
+  download_events_waited = 0;
 }
 
 void Engine::Impl::reset_gradients() {

@@ -100,9 +100,13 @@ TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus
   CHECK(on_gpu.host_per_rank() == 0);
   // One micro-step: the gradient shard streams to the host as it is reduced
   // (through scratch blocks in the engine's buffers), none stays on the GPU.
+  // Each scratch block goes back to the pool once its copy is queued (its
+  // next user waits on the device), so the blocks in use stay within those
+  // on the GPU's path.
   CHECK(offloaded.model_state.grads == 0);
   CHECK(on_gpu.model_state.grads == shard * 2);
-  CHECK(offloaded.engine.bucket_buffers > on_gpu.engine.bucket_buffers);
+  CHECK(offloaded.engine.bucket_buffers > 0);
+  CHECK(offloaded.engine.bucket_buffers <= on_gpu.engine.bucket_buffers);
   CHECK(on_gpu.gpu_peak() + offloaded.engine.peak() - offloaded.gpu_peak() - on_gpu.engine.peak() ==
         on_gpu.model_state.master + on_gpu.model_state.optimizer_state + on_gpu.model_state.ema +
             on_gpu.model_state.grads);

@@ -7,22 +7,26 @@
 # beside the thread that launches the kernels. This phase runs the same
 # configuration with OpenMP's idle threads sleeping instead of spinning
 # (OMP_WAIT_POLICY=passive) and with other team sizes
-# (offload_update_threads, offload_gradient_threads), and with more gradient
-# downloads in flight before backward's thread waits for the oldest
-# (reductions_in_flight), each against the default in the same call.
-#   STEPS=10 bash bench/gpu/run_session17_device.sh   (carry .deps; needs a built build/cuda)
+# (offload_update_threads, offload_gradient_threads), each against the
+# default in the same call.
+#   PHASES="build engine omp" TARGETS="train zero_gpu_engine_tests" STEPS=10 \
+#     bash bench/gpu/run_session17_device.sh   (carry .deps)
+# (Since this script was written, backward's thread no longer waits for the
+# gradient copies either: "default" runs with that.)
 set -uo pipefail
 NAME=s17 DEFAULT_PHASES="omp"
 source bench/gpu/device_env.sh
 if has build; then build_targets ${TARGETS:-}; fi
 source bench/gpu/trainer_run.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+# engine: the GPU engine tests at 1 and 2 ranks (the streamed downloads
+# without host waits: the copies' events waited for on the host worker).
+if has engine; then run_gpu_tests 'gpu\.engine\.np[12]$'; fi
 if has omp; then
   gb8=/tmp/sdxl-1024-gb8.toml
   sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
-  CONFIG=$gb8 run_trainer "sdxl-omp-in-flight8" 150 "${delayed[@]}" --reductions_in_flight 8
   CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
   OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
   CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2

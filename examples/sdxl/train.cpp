@@ -467,6 +467,7 @@ StepsEnd train_steps(Run& run) {
       std::printf("step %lld: Kineto trace written to %s\n", static_cast<long long>(step + 1), trace.c_str());
     }
     const double step_seconds = seconds_between(m.step_start, Clock::now());
+    m.step_seconds = step_seconds;
     m.images_per_s = static_cast<double>(run.world * cfg.batch_size * cfg.accumulation) / step_seconds;
     // GPU: what the driver reports in use; CPU: the engine's own peak.
     const std::size_t mem = run.runtime.memory_in_use().value_or(sharded.engine().peak_memory().total());

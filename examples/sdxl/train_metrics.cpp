@@ -49,6 +49,17 @@ void record_step(const TrainConfig& cfg, MetricsSinks& sinks, const RunPosition&
     record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;
     if (cfg.offload_delayed_update) record.extra["timing/cpu_update_wait_s"] = m.result.cpu_update_wait_seconds;
     if (cfg.offload_accumulate_on_host) record.extra["timing/host_add_wait_s"] = m.result.host_add_wait_seconds;
+    // This rank's traffic between host and GPU memory in the step (PCIe),
+    // and its rate over the step's wall time: against the link's ~55 GB/s
+    // each way, how busy offload keeps it.
+    const double up = static_cast<double>(m.result.host_to_device_bytes);
+    const double down = static_cast<double>(m.result.device_to_host_bytes);
+    record.extra["transfer/to_device_bytes"] = up;
+    record.extra["transfer/to_host_bytes"] = down;
+    if (m.step_seconds > 0) {
+      record.extra["transfer/to_device_GBps"] = up / m.step_seconds / 1e9;
+      record.extra["transfer/to_host_GBps"] = down / m.step_seconds / 1e9;
+    }
   }
   sinks.jsonl->write(record);
   sinks.tensorboard->add_scalars({{"train/loss", m.loss}, {"train/lr", m.lr}, {"train/grad_norm", m.result.grad_norm},

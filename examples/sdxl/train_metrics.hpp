@@ -47,6 +47,7 @@ struct StepMeasures {
   zero::StepResult result;
   Clock::time_point step_start, step_call;
   double step_call_seconds = 0;
+  double step_seconds = 0;  // the whole step's wall time (rank 0's)
   metrics::RankImbalance imbalance;  // this step's phases over all ranks
 };
 

@@ -94,8 +94,8 @@ void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
   // last written on the comm stream, where the copies queue behind it.
   m_.order_after(transfer, be.compute_stream());
   for (std::size_t b = 0; b < buckets.size(); ++b) {
-    be.copy(grads + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b), buckets[b].shard_size * m_.g_size,
-            transfer);
+    m_.copy_to_host(grads + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b),
+                    buckets[b].shard_size * m_.g_size, transfer);
     grad_downloaded_[b] = be.record_event(transfer);
   }
   // reset_gradients zeroes the shard accumulator on the comm stream, behind

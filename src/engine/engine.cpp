@@ -162,7 +162,7 @@ WorkPtr Engine::Impl::gather_bucket_of(const FlatLayout& of, std::size_t b, void
   const std::size_t element = size_of(dtype);
   std::byte* place = static_cast<std::byte*>(dest) + static_cast<std::size_t>(rank) * bucket.shard_size * element;
   if (own_on_host) {  // host memory: up into this rank's place, then gathered in place
-    backend.copy(place, own, bucket.shard_size * element, backend.comm_stream());
+    copy_to_device(place, own, bucket.shard_size * element, backend.comm_stream());
     own = place;
   }
   return comm.all_gather(own, dest, bucket.shard_size, dtype, backend.comm_stream());
@@ -599,6 +599,8 @@ StepResult Engine::step() {
 
   m.reset_gradients();
   m.micro_step = 0;
+  result.host_to_device_bytes = std::exchange(m.bytes_to_device, 0);
+  result.device_to_host_bytes = std::exchange(m.bytes_to_host, 0);
   if (!proceed && options_.max_consecutive_nonfinite > 0 &&
       consecutive_nonfinite_ >= options_.max_consecutive_nonfinite) {
     ZERO_THROW(Error, consecutive_nonfinite_, " steps in a row had non-finite gradients (limit ",

@@ -130,6 +130,17 @@ struct Engine::Impl {
   /// Every host job done (host_worker): the host gradient shard is whole,
   /// and the queued statistics are in bucket_stats.
   void finish_host_work();
+  /// The engine's copies between host and device memory (offload), counted
+  /// for StepResult::host_to_device_bytes / device_to_host_bytes.
+  void copy_to_device(void* device, const void* host, std::size_t bytes, Stream stream) {
+    backend.copy(device, host, bytes, stream);
+    bytes_to_device += bytes;
+  }
+  void copy_to_host(void* host, const void* device, std::size_t bytes, Stream stream) {
+    backend.copy(host, device, bytes, stream);
+    bytes_to_host += bytes;
+  }
+  std::uint64_t bytes_to_device = 0, bytes_to_host = 0;  // since the last step() returned
   /// Waits for and releases download_events (the worker is idle or gone).
   void release_download_events();
   /// Zeroes the gradient buffers for the next step.

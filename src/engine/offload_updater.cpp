@@ -103,7 +103,7 @@ void OffloadUpdater::upload_bucket(std::size_t b, const std::byte* copy) {
   if (m_.plan.gathers_params_after_step) {
     m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, slice, true);
   } else {
-    m_.backend.copy(m_.own_params(b), slice, bucket.shard_size * m_.p_size, m_.backend.comm_stream());
+    m_.copy_to_device(m_.own_params(b), slice, bucket.shard_size * m_.p_size, m_.backend.comm_stream());
   }
 }
 
@@ -124,8 +124,8 @@ void OffloadUpdater::update_now(const UpdateArgs& args) {
   try {
     // Streamed gradients are already down (finish_micro_step waited for them).
     for (std::size_t b = 0; b < buckets.size() && !m_.plan.streams_grads_to_host; ++b) {
-      be.copy(grad_host_ + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b), buckets[b].shard_size * m_.g_size,
-              transfer);
+      m_.copy_to_host(grad_host_ + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b),
+                      buckets[b].shard_size * m_.g_size, transfer);
       down[b] = be.record_event(transfer);
     }
     for (std::size_t b = 0; b < buckets.size(); ++b) {
@@ -155,7 +155,7 @@ void OffloadUpdater::parameters_from_master() {
       continue;
     }
     be.host_convert(m_.master + at, DType::fp32, copy_host_ + at * m_.p_size, m_.pdt, n);
-    be.copy(m_.own_params(b), copy_host_ + at * m_.p_size, n * m_.p_size, be.compute_stream());
+    m_.copy_to_device(m_.own_params(b), copy_host_ + at * m_.p_size, n * m_.p_size, be.compute_stream());
   }
 }
 

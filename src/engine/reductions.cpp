@@ -78,7 +78,7 @@ void Engine::Impl::complete(Pending& entry) {
     std::byte* host = (add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) + at;
     // The last micro-step's addition must have read this staging slice.
     if (add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
-    backend.copy(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
+    copy_to_host(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     const Event copied = backend.record_event(backend.comm_stream());
     download_events.push_back(copied);
     // Its next user waits on the device for the copy, not this thread.

@@ -351,6 +351,53 @@ TEST_CASE("accumulating offloaded gradients on the host leaves no gradient shard
                        doctest::Contains("use accumulation_mode each"), InvalidArgument);
 }
 
+TEST_CASE("offload: each step reports the bytes it moved between host and device memory") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  // Stages 1-2 (parameters on the device): per step the gradient shard goes
+  // down once per reduction that streams (one micro-step, or each micro-step
+  // added on the host; accumulated on the device: once, at step()) and the
+  // updated parameter shard goes up once; the delayed update's goes up at the
+  // next step(). Without offload nothing crosses.
+  struct Case {
+    int stage, accumulation;
+    bool accumulate_on_host, delayed;
+    std::size_t downloads;  // gradient shards down per step
+  };
+  for (const Case& k : {Case{1, 1, false, false, 1}, Case{2, 1, false, false, 1}, Case{2, 3, false, false, 1},
+                        Case{2, 3, true, false, 3}, Case{2, 1, false, true, 1}, Case{1, 2, true, true, 2}}) {
+    CAPTURE(k.stage);
+    CAPTURE(k.accumulation);
+    CAPTURE(k.accumulate_on_host);
+    CAPTURE(k.delayed);
+    Config c;
+    c.dtype = DType::bf16;
+    c.accumulation = k.accumulation;
+    c.offload = true;
+    c.accumulate_on_host = k.accumulate_on_host;
+    EngineOptions o = engine_options(c, k.stage);
+    o.offload.delayed_update = k.delayed;
+    Engine engine(mlp_units(), o, comm, *backend);
+    init_random_params(engine);
+    const std::uint64_t shard = engine.layout().shard_numel();
+    for (int step = 1; step <= 3; ++step) {
+      CAPTURE(step);
+      const StepResult r = run_step(engine, step, comm.rank(), StepGradient::noise);
+      CHECK(r.device_to_host_bytes == k.downloads * shard * size_of(o.effective_grad_dtype()));
+      // The delayed update's first step sends nothing up: its update is
+      // still running (it goes up at step 2).
+      const bool uploads = !k.delayed || step > 1;
+      CHECK(r.host_to_device_bytes == (uploads ? shard * size_of(DType::bf16) : 0));
+    }
+  }
+  Config c;
+  Engine on_device(mlp_units(), engine_options(c, 2), comm, *backend);
+  init_random_params(on_device);
+  const StepResult r = run_step(on_device, 1, comm.rank(), StepGradient::noise);
+  CHECK(r.device_to_host_bytes == 0);
+  CHECK(r.host_to_device_bytes == 0);
+}
+
 TEST_CASE("offload_params below stage 3 or without the optimizer offloaded is refused") {
   MpiCommunicator comm;
   auto backend = make_host_backend();

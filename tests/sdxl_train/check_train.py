@@ -161,6 +161,21 @@ waits = [json.loads(line).get("timing/host_add_wait_s")
          for line in open(os.path.join(WORK, "np2-stage3-delayed-host-accumulation", "metrics.jsonl"))]
 check(waits and all(isinstance(w, (int, float)) and 0 <= w < 60 for w in waits),
       f"metrics.jsonl logs the wait for host additions at every logged step ({waits})")
+# The bytes each step moved between host and device memory: the host-
+# accumulated run sends the gradient shard down at both micro-steps, the
+# device-accumulated one once at step(); both send the updated parameter
+# shard up once (the delayed update's at the next step).
+def transfers(name):
+    rows = [json.loads(line) for line in open(os.path.join(WORK, name, "metrics.jsonl"))]
+    return {r["step"]: r for r in rows}
+th, ta = transfers("np2-stage3-delayed-host-accumulation"), transfers("np2-stage3-delayed-accumulation")
+later = [s for s in th if s >= 2 and s in ta]
+check(later and all(th[s]["transfer/to_host_bytes"] == 2 * ta[s]["transfer/to_host_bytes"] > 0 for s in later),
+      "metrics.jsonl: host accumulation sends the gradient shard down twice a step, device accumulation once")
+check(all(th[s]["transfer/to_device_bytes"] == ta[s]["transfer/to_device_bytes"] > 0 for s in later),
+      "metrics.jsonl: both send the updated parameter shard up once a step")
+check(all(th[s]["transfer/to_host_GBps"] > 0 and th[s]["transfer/to_device_GBps"] > 0 for s in later),
+      "metrics.jsonl: the transfer rates over the step's time are logged")
 code, output = run_expecting_failure("host-accumulation-no-offload", 1, "--stage", "2", "--accumulation", "2",
                                      "--offload_accumulate_on_host", "true")
 check(code != 0 and "offload_accumulate_on_host needs offload_optimizer = true" in output,

@@ -79,6 +79,13 @@ struct StepResult {
   /// micro-step's wait for every addition and statistic): the part of that
   /// host work not hidden behind the device.
   double host_add_wait_seconds = 0;
+  /// Offload: the bytes this step queued between host and device memory
+  /// (PCIe on a GPU): gradients down, parameters up (after the update, or
+  /// with offload_params at every gather of a unit), from the last step() to
+  /// this one's end. With the delayed update, the parameters of the update
+  /// joined in this step() go up here. 0 without offload.
+  std::uint64_t host_to_device_bytes = 0;
+  std::uint64_t device_to_host_bytes = 0;
 };
 
 class Engine {

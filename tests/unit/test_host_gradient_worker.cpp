@@ -4,9 +4,12 @@
 // waiter, and a prompt shutdown with work still queued.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -110,4 +113,94 @@ TEST_CASE("host worker: a statistic's error reaches the waiter") {
   detail::HostGradientWorker worker(*backend, static_cast<DType>(7));  // cpu_grad_stats refuses it
   GradStats out;
   CHECK_THROWS_AS(worker.wait(worker.stats(a.data(), a.size(), &out)), Error);
+}
+
+namespace {
+
+// A backend whose events stand for copies still on their way: wait_event
+// blocks until the test opens that event's gate. Everything else is inert;
+// the worker's jobs run the host kernels (Backend's defaults).
+class GatedBackend final : public Backend {
+ public:
+  MemoryKind memory_kind() const override { return MemoryKind::host; }
+  std::string name() const override { return "gated"; }
+  void* allocate(std::size_t) override { return nullptr; }
+  void deallocate(void*, std::size_t) override {}
+  void* allocate_host(std::size_t) override { return nullptr; }
+  void deallocate_host(void*, std::size_t) override {}
+  Stream compute_stream() const override { return nullptr; }
+  Stream comm_stream() const override { return nullptr; }
+  Event record_event(Stream) override { return nullptr; }
+  void stream_wait(Stream, Event) override {}
+  void release_event(Event) override {}
+  void synchronize(Stream) override {}
+  void fill_zero(void*, std::size_t, Stream) override {}
+  void copy(void*, const void*, std::size_t, Stream) override {}
+  void copy_to_host(void*, const void*, std::size_t) override {}
+  void copy_from_host(void*, const void*, std::size_t) override {}
+  void convert(const void*, DType, void*, DType, std::size_t, Stream) override {}
+  void accumulate(void*, const void*, DType, std::size_t, Stream) override {}
+  void ema_update(float*, const float*, std::size_t, double, Stream) override {}
+  void optimizer_step(const OptimizerOptions&, const StepScalars&, const ShardUpdate&, Stream) override {}
+  GradStats grad_stats(const Span*, std::size_t, DType, Stream) override { return {}; }
+
+  void wait_event(Event event) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    waiting_.push_back(event);
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return std::find(open_.begin(), open_.end(), event) != open_.end(); });
+  }
+  void open(Event event) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_.push_back(event);
+    }
+    changed_.notify_all();
+  }
+  /// Blocks until some thread waits for `event`.
+  void await_waiter(Event event) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return std::find(waiting_.begin(), waiting_.end(), event) != waiting_.end(); });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<Event> waiting_, open_;
+};
+
+}  // namespace
+
+TEST_CASE("host gradient worker: a job queued with a copy's event waits for it, not the thread that queued") {
+  std::mt19937 rng(20261205);
+  constexpr std::size_t kElements = 200'000;
+  GatedBackend backend;
+  detail::HostGradientWorker worker(backend, DType::bf16);
+  Event copy_a = reinterpret_cast<Event>(std::uintptr_t{0x10}), copy_b = reinterpret_cast<Event>(std::uintptr_t{0x20});
+  // The slices still hold what was there before their copies land.
+  std::vector<std::uint16_t> landing = random_bf16(kElements, rng), staged = random_bf16(kElements, rng);
+  std::vector<std::uint16_t> sum = random_bf16(kElements, rng);
+  GradStats stats;
+  stats.sum_squares = -1;
+  // Queued at once (this thread does not wait for either copy).
+  const std::uint64_t add_ticket = worker.add(sum.data(), staged.data(), kElements, copy_a);
+  const std::uint64_t stats_ticket = worker.stats(landing.data(), kElements, &stats, copy_b);
+  CHECK(stats_ticket > add_ticket);
+  backend.await_waiter(copy_a);  // the worker waits for the first copy
+  // The copies land: new values in both slices, then their events complete.
+  const std::vector<std::uint16_t> arrived_staged = random_bf16(kElements, rng);
+  const std::vector<std::uint16_t> arrived = random_bf16(kElements, rng);
+  std::vector<std::uint16_t> expected_sum = sum;
+  cpu_accumulate(expected_sum.data(), arrived_staged.data(), DType::bf16, kElements);
+  const GradStats expected_stats = cpu_grad_stats(arrived.data(), kElements, DType::bf16, CpuKernel::vectorized);
+  std::copy(arrived_staged.begin(), arrived_staged.end(), staged.begin());  // in place: the worker holds the pointer
+  backend.open(copy_a);
+  backend.await_waiter(copy_b);  // the addition ran; the statistics wait for their copy
+  CHECK(stats.sum_squares == -1);
+  std::copy(arrived.begin(), arrived.end(), landing.begin());
+  backend.open(copy_b);
+  worker.wait(stats_ticket);
+  CHECK(std::memcmp(sum.data(), expected_sum.data(), kElements * 2) == 0);
+  CHECK(stats.sum_squares == expected_stats.sum_squares);
+  CHECK(stats.nonfinite == expected_stats.nonfinite);
 }

@@ -54,8 +54,8 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"zero", "stage", &c.stage, "ZeRO stage 0, 1, 2 or 3"},
       {"zero", "bucket_mib", &c.bucket_mib, "reduce-scatter bucket size in MiB"},
       {"zero", "reductions_in_flight", &c.reductions_in_flight,
-       "gradient reductions (with offload: their copies to host memory) in flight before backward waits for the "
-       "oldest; each holds its bucket's buffers (the planner counts them)"},
+       "gradient reductions (collectives over several ranks) in flight before backward waits for the oldest; "
+       "each holds its bucket's buffers (the planner counts them)"},
       {"zero", "shard_group_size", &c.shard_group_size,
        "hybrid sharding (HSDP): shard over groups of this many consecutive ranks (one node), replicate across the "
        "groups; must divide the number of ranks (0: shard over all ranks)"},

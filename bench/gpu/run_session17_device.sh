@@ -22,14 +22,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # engine: the GPU engine tests at 1 and 2 ranks (the streamed downloads
 # without host waits: the copies' events waited for on the host worker).
 if has engine; then run_gpu_tests 'gpu\.engine\.np[12]$'; fi
+# RUNS picks which trainer runs of the omp phase (default: all, in order).
+want() { [[ " ${RUNS:-ondevice default update12-grad3 passive update8-grad2} " == *" $1 "* ]]; }
 if has omp; then
   gb8=/tmp/sdxl-1024-gb8.toml
   sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
-  CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"
-  CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
-  OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"
-  CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2
+  if want ondevice; then CONFIG=$gb8 run_trainer "sdxl-omp-ondevice" 150 --stage 2; fi
+  if want default; then CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"; fi
+  if want update12-grad3; then CONFIG=$gb8 run_trainer "sdxl-omp-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3; fi
+  if want passive; then OMP_WAIT_POLICY=passive CONFIG=$gb8 run_trainer "sdxl-omp-passive" 150 "${delayed[@]}"; fi
+  if want update8-grad2; then CONFIG=$gb8 run_trainer "sdxl-omp-update8-grad2" 150 "${delayed[@]}" --offload_update_threads 8 --offload_gradient_threads 2; fi
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

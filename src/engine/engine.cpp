@@ -526,21 +526,25 @@ bool Engine::unit_gathered(std::size_t unit) const {
 
 // ---------------------------------------------------------------- unit schedule
 
-std::optional<std::size_t> Engine::unit_to_prefetch(std::size_t unit, Pass pass, bool recomputed) const {
-  // A recomputed unit's forward runs again in backward with its parameters
-  // gathered: prefetching beside it would hold a third unit.
-  if (!impl_->plan.gathers_units || recomputed) return std::nullopt;
-  if (pass == Pass::forward) {
-    if (unit + 1 < unit_count()) return unit + 1;
-  } else if (unit > 0) {
-    return unit - 1;  // backward runs the units in reverse
+std::vector<std::size_t> Engine::units_to_prefetch(std::size_t unit, Pass pass) const {
+  std::vector<std::size_t> units;
+  if (!impl_->plan.gathers_units) return units;
+  const auto depth = static_cast<std::size_t>(options_.buckets.prefetch_units);
+  for (std::size_t k = 1; k <= depth; ++k) {
+    if (pass == Pass::forward) {
+      if (unit + k >= unit_count()) break;
+      units.push_back(unit + k);
+    } else {
+      if (k > unit) break;  // backward runs the units in reverse
+      units.push_back(unit - k);
+    }
   }
-  return std::nullopt;
+  return units;
 }
 
-void Engine::enter_unit(std::size_t unit, Pass pass, bool recomputed) {
+void Engine::enter_unit(std::size_t unit, Pass pass) {
   gather_unit(unit);
-  if (auto next = unit_to_prefetch(unit, pass, recomputed)) prefetch_unit(*next);
+  for (std::size_t next : units_to_prefetch(unit, pass)) prefetch_unit(next);
 }
 
 // ---------------------------------------------------------------- optimizer

@@ -97,19 +97,16 @@ std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
 
 void run_steps(Engine& engine, const PlanInput& in, int steps) {
   const std::size_t units = engine.unit_count();
-  auto recomputed = [&](std::size_t u) {
-    return in.activation_checkpointing && (in.units.empty() || in.units[u].checkpointed);
-  };
   for (int s = 0; s < steps; ++s) {
     for (int micro = 0; micro < in.engine.accumulation_steps; ++micro) {
       if (engine.plan().gathers_units) {
         for (std::size_t u = 0; u < units; ++u) {
-          engine.enter_unit(u, Pass::forward, recomputed(u));
+          engine.enter_unit(u, Pass::forward);
           engine.release_unit(u);
         }
       }
       for (std::size_t u = units; u-- > 0;) {
-        engine.enter_unit(u, Pass::backward, recomputed(u));
+        engine.enter_unit(u, Pass::backward);
         for (std::size_t p : engine.unit_params(u)) {
           if (engine.frozen(p)) continue;
           engine.grad_data(p);

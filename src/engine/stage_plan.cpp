@@ -33,6 +33,9 @@ void EngineOptions::validate() const {
              "EngineOptions.max_grad_norm must be finite and >= 0 (0 disables), got ", max_grad_norm);
   ZERO_CHECK(buckets.max_reductions_in_flight >= 1,
              "EngineOptions.buckets.max_reductions_in_flight must be >= 1, got ", buckets.max_reductions_in_flight);
+  ZERO_CHECK(buckets.prefetch_units >= 0 && buckets.prefetch_units <= 64,
+             "EngineOptions.buckets.prefetch_units must be in [0, 64] (0: gather each unit when entered), got ",
+             buckets.prefetch_units);
   ZERO_CHECK(ema.decay >= 0 && ema.decay < 1, "EngineOptions.ema.decay must be in [0, 1) (0 disables), got ",
              ema.decay);
   ZERO_CHECK(ema.every >= 1, "EngineOptions.ema.every must be >= 1 (1: every step), got ", ema.every);

@@ -105,7 +105,7 @@ struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
     ctx->saved_data["unit"] = unit;
     ctx->saved_data["body"] = reinterpret_cast<std::int64_t>(body);
     ctx->save_for_backward(inputs.vec());
-    model->gather(static_cast<std::size_t>(unit), Pass::forward, /*recomputed=*/true);
+    model->gather(static_cast<std::size_t>(unit), Pass::forward);
     variable_list outputs = (*body)(inputs.vec());
     model->release(static_cast<std::size_t>(unit));
     return outputs;
@@ -117,7 +117,7 @@ struct RecomputeUnit : torch::autograd::Function<RecomputeUnit> {
     variable_list saved = ctx->get_saved_variables();
     variable_list inputs;
     for (const auto& t : saved) inputs.push_back(t.defined() ? t.detach().requires_grad_(t.requires_grad()) : t);
-    model->gather(unit, Pass::backward, /*recomputed=*/true);
+    model->gather(unit, Pass::backward);  // the recompute: backward's schedule
     variable_list outputs;
     {
       torch::AutoGradMode enable(true);
@@ -261,10 +261,10 @@ void ShardedModel::bind_unit(std::size_t u) {
   bind(unit.frozen_storage, unit.first_frozen);
 }
 
-void ShardedModel::gather(std::size_t u, Pass pass, bool recomputed) {
+void ShardedModel::gather(std::size_t u, Pass pass) {
   // Stages 1-2: waits for the unit's parameter all-gather of the last step;
   // stage 3: gathers it, prefetching what the engine's unit schedule says.
-  engine_->enter_unit(u, pass, recomputed);
+  engine_->enter_unit(u, pass);
   if (engine_->plan().gathers_units) bind_unit(u);
 }
 
@@ -281,7 +281,7 @@ void ShardedModel::gather_for_backward(std::size_t u) {
   // (A unit with nothing to train has no gradient to wait for: it still
   // needs its weights for the gradient of its inputs.)
   if (units_[u].trainable > 0 && units_[u].ready == units_[u].trainable) return;
-  gather(u, Pass::backward, /*recomputed=*/false);
+  gather(u, Pass::backward);
   units_[u].backward_gathered = true;
 }
 
@@ -301,12 +301,12 @@ torch::autograd::variable_list ShardedModel::run_unit(std::size_t u, const varia
                                             [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); });
   if (units_[u].trainable == 0 && !inputs_need_grad) {
     torch::NoGradGuard no_grad;
-    gather(u, Pass::forward, /*recomputed=*/false);
+    gather(u, Pass::forward);
     variable_list outputs = body(inputs);
     release(u);
     return outputs;
   }
-  gather(u, Pass::forward, /*recomputed=*/false);
+  gather(u, Pass::forward);
   // A unit with frozen parameters is released once its inputs' gradients are
   // out (and, when it trains some, their gradients are in): the identity on
   // its inputs says when. It goes in at every stage (releasing nothing below

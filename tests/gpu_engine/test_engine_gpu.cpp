@@ -158,13 +158,13 @@ GraphRun train_with_graph(const Config& c, int stage, bool graph, Communicator& 
   }
   auto micro_step = [&] {
     for (std::size_t unit = 0; unit < engine.unit_count(); ++unit) {
-      engine.enter_unit(unit, Pass::forward, false);
+      engine.enter_unit(unit, Pass::forward);
       for (std::size_t i : engine.unit_params(unit))
         backend.copy(seen[i], engine.param_data(i), engine.params()[i].numel * element, compute);
       engine.release_unit(unit);
     }
     for (std::size_t unit = engine.unit_count(); unit-- > 0;) {
-      engine.enter_unit(unit, Pass::backward, false);
+      engine.enter_unit(unit, Pass::backward);
       for (std::size_t i : engine.unit_params(unit)) {
         if (i == UNUSED || c.is_frozen(static_cast<int>(i))) continue;
         backend.accumulate(engine.grad_data(i), grad_source[i], c.dtype, engine.params()[i].numel, compute);

@@ -256,19 +256,19 @@ namespace {
 
 // Drives the engine as a model does: forward enters every unit (stage 3),
 // backward enters them in reverse and writes every gradient, the engine's
-// unit schedule deciding the prefetches; `recomputed` units are not
-// prefetched around.
-void run_model_steps(Engine& engine, const std::vector<bool>& recomputed, int steps) {
+// unit schedule deciding the prefetches (a checkpointed unit's recompute is
+// a backward entry: the same schedule).
+void run_model_steps(Engine& engine, int steps) {
   const DType gdt = engine.options().effective_grad_dtype();
   for (int s = 0; s < steps; ++s) {
     for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
       if (engine.plan().gathers_units)
         for (std::size_t u = 0; u < engine.unit_count(); ++u) {
-          engine.enter_unit(u, Pass::forward, recomputed[u]);
+          engine.enter_unit(u, Pass::forward);
           engine.release_unit(u);
         }
       for (std::size_t u = engine.unit_count(); u-- > 0;) {
-        engine.enter_unit(u, Pass::backward, recomputed[u]);
+        engine.enter_unit(u, Pass::backward);
         const Bucket& bucket = engine.layout().buckets()[u];
         for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
           void* g = engine.grad_data(p);
@@ -299,6 +299,7 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
     GradAccumulation mode;
     bool checkpointing;
     std::optional<std::size_t> cache;
+    int prefetch = 1;  // buckets.prefetch_units
   };
   const auto each = GradAccumulation::reduce_each_micro_step, boundary = GradAccumulation::reduce_at_boundary;
   const Case cases[] = {
@@ -313,6 +314,8 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
       // (a second host parameter shard).
       {2, true, false, true, 3, each, false, {}},    {1, true, false, true, 2, boundary, false, {}},
       {3, true, true, true, 1, each, true, {}},      {3, true, true, true, 2, each, false, {}},
+      // Stage 3 without prefetch, and three units ahead.
+      {3, false, false, false, 1, each, false, {}, 0}, {3, true, true, true, 1, each, true, {}, 3},
   };
   const auto units = awkward_units();
   for (const Case& k : cases) {
@@ -322,6 +325,7 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
     CAPTURE(k.delayed);
     CAPTURE(k.accumulation);
     CAPTURE(k.checkpointing);
+    CAPTURE(k.prefetch);
     EngineOptions o;
     o.stage = k.stage;
     o.accumulation_steps = k.accumulation;
@@ -330,6 +334,7 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
     o.offload = {.optimizer = k.offload, .params = k.offload_params, .delayed_update = k.delayed};
     o.buckets.cache_bytes = k.cache;
     o.buckets.alignment_elements = 64;
+    o.buckets.prefetch_units = k.prefetch;
 
     plan::PlanInput in;
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -343,10 +348,8 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
     const plan::Plan predicted = plan::make_plan(in);
 
     Engine engine(units, o, comm, *backend);
-    std::vector<bool> recomputed(units.size());
-    for (std::size_t u = 0; u < units.size(); ++u) recomputed[u] = k.checkpointing && in.units[u].checkpointed;
     const MemoryByCategory persistent = engine.memory();
-    run_model_steps(engine, recomputed, 2);
+    run_model_steps(engine, 2);
     const TransientMemory used = engine.transient_memory();
 
     CHECK(predicted.padded_numel == engine.layout().padded_numel());

@@ -74,11 +74,18 @@ std::vector<torch::Tensor> train_reference(int world) {
 
 struct Result {
   std::vector<std::vector<float>> master;
-  std::size_t max_live_params = 0, shard_params = 0, largest_two_units = 0;
+  std::size_t max_live_params = 0, shard_params = 0;
+  std::vector<std::size_t> unit_bytes_largest_first;
+  /// The bytes of the k largest units.
+  std::size_t largest_units(std::size_t k) const {
+    std::size_t sum = 0;
+    for (std::size_t i = 0; i < k && i < unit_bytes_largest_first.size(); ++i) sum += unit_bytes_largest_first[i];
+    return sum;
+  }
 };
 
 Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& comm, Backend& backend,
-                     bool bind_gradients = false) {
+                     bool bind_gradients = false, int prefetch_units = 1) {
   Net net = make_net();
   EngineOptions options;
   options.stage = stage;
@@ -86,6 +93,7 @@ Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& co
   options.buckets.alignment_elements = 4;
   options.optimizer.lr = kLr;
   options.optimizer.weight_decay = kDecay;
+  options.buckets.prefetch_units = prefetch_units;
   ShardedModel model(adapter::units_by_child(*net), options, comm, backend);
   if (bind_gradients) model.bind_gradients_to_engine();
   Result result;
@@ -112,10 +120,9 @@ Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& co
     REQUIRE(model.step().applied);
   }
   result.shard_params = model.engine().predicted_model_state().params;
-  std::vector<std::size_t> units;
+  auto& units = result.unit_bytes_largest_first;
   for (const Bucket& b : model.engine().layout().buckets()) units.push_back(b.padded * size_of(dtype));
   std::sort(units.rbegin(), units.rend());
-  result.largest_two_units = units[0] + (units.size() > 1 ? units[1] : 0);
   CHECK(model.engine().memory().params == result.shard_params);
   result.master = model.engine().gather_master_params();
   return result;
@@ -171,7 +178,17 @@ TEST_CASE("ShardedModel at stages 0..3 equals torch::optim::AdamW; stage 3 holds
           // (One rank uses each unit where it lies in the shard: nothing more.)
           if (comm.size() > 1) CHECK(r.max_live_params > r.shard_params);
           else CHECK(r.max_live_params == r.shard_params);
-          CHECK(r.max_live_params <= r.shard_params + r.largest_two_units);
+          CHECK(r.max_live_params <= r.shard_params + r.largest_units(2));
+          // Other prefetch depths: the same bits; the unit in use plus up to
+          // `depth` gathered ahead (with recompute too: its backward entries
+          // prefetch downwards).
+          for (int depth : {0, 2}) {
+            CAPTURE(depth);
+            const Result d = train_sharded(stage, recompute, dtype, comm, *backend, false, depth);
+            CHECK(d.master == first);
+            CHECK(d.max_live_params <= d.shard_params + d.largest_units(1 + static_cast<std::size_t>(depth)));
+            if (comm.size() > 1 && depth == 2) CHECK(d.max_live_params > r.max_live_params);
+          }
         }
       }
     }

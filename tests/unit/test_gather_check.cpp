@@ -88,7 +88,7 @@ TEST_CASE("stage 3 on a device communicator: gathers checked two units behind, a
   // Forward: unit u's gather (index u) is issued when unit u-1 is entered
   // (prefetch) or, for unit 0, when unit 0 is.
   for (std::size_t u = 0; u < kUnits; ++u) {
-    engine.enter_unit(u, zero::Pass::forward, false);
+    engine.enter_unit(u, zero::Pass::forward);
     // Entered units: 0..u. Their gathers checked: all but the last two.
     std::vector<int> expected;
     for (int g = 0; g + 2 <= static_cast<int>(u); ++g) expected.push_back(g);
@@ -96,7 +96,7 @@ TEST_CASE("stage 3 on a device communicator: gathers checked two units behind, a
     engine.release_unit(u);
   }
   for (std::size_t u = kUnits; u-- > 0;) {
-    engine.enter_unit(u, zero::Pass::backward, false);
+    engine.enter_unit(u, zero::Pass::backward);
     for (std::size_t p : engine.unit_params(u)) {
       engine.grad_data(p);
       engine.grad_ready(p);

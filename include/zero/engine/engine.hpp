@@ -153,12 +153,14 @@ class Engine {
   // ------------------------------------------------------------ unit schedule
   // The order in which a model gathers units: the adapter (zero::torch) and
   // the planner both follow it, so what the planner counts is what runs.
-  /// The unit to prefetch once `unit` is gathered in `pass` (stage 3; none
-  /// for a unit whose forward is recomputed in backward, nor past the ends).
-  std::optional<std::size_t> unit_to_prefetch(std::size_t unit, Pass pass, bool recomputed) const;
-  /// gather_unit(unit), then prefetch_unit of unit_to_prefetch(...), if any.
+  /// The units to prefetch once `unit` is gathered in `pass` (stage 3):
+  /// the next buckets.prefetch_units units in the pass's direction (forward:
+  /// up, backward: down), none past the ends. The recompute of a
+  /// checkpointed unit runs in backward and prefetches downwards like it.
+  std::vector<std::size_t> units_to_prefetch(std::size_t unit, Pass pass) const;
+  /// gather_unit(unit), then prefetch_unit of each of units_to_prefetch(...).
   /// Leave the unit with release_unit.
-  void enter_unit(std::size_t unit, Pass pass, bool recomputed);
+  void enter_unit(std::size_t unit, Pass pass);
 
   // ------------------------------------------------------------ gradients
   /// Where this micro-step's gradient of `param` is to be added (grad dtype,

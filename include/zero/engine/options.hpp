@@ -35,6 +35,13 @@ struct BucketOptions {
   /// Bucket reductions allowed in flight before the oldest is waited for:
   /// overlap against memory for bucket buffers and communicator scratch.
   int max_reductions_in_flight = 2;
+  /// Stage 3: how many units ahead of the one in use are gathered, in the
+  /// pass's direction (forward: the next units; backward: the previous
+  /// ones), checkpointed units too. Each holds a unit buffer (with
+  /// offload_params, an upload) that overlaps the unit in use. 0 gathers each
+  /// unit when it is entered. The planner's fit() picks the deepest that
+  /// fits the memory cap (up to 4).
+  int prefetch_units = 1;
   /// Free transient blocks (gradient buckets, scratch, stage-3 unit buffers)
   /// kept for reuse, in bytes; default: two of the largest bucket. 0 frees
   /// each block when it is given back: the least memory, but every free

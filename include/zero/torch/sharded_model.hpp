@@ -102,7 +102,7 @@ class ShardedModel {
   void on_gradient(std::size_t param);
   void gather_for_backward(std::size_t unit);
   void release_after_backward(std::size_t unit);
-  void gather(std::size_t unit, Pass pass, bool recomputed);
+  void gather(std::size_t unit, Pass pass);
   void release(std::size_t unit);
 
  private:

@@ -77,6 +77,7 @@ struct TrainConfig {
   std::int64_t stage = 2;
   double bucket_mib = 32;
   std::int64_t reductions_in_flight = 2;  // reductions (and offload's gradient downloads) in flight
+  std::int64_t prefetch_units = 1;        // stage 3: units gathered ahead of the one in use
   std::string accumulation_mode = "each";  // each (reduce every micro-step), boundary
   std::string units = "layers";  // the UNet's ZeRO units: layers (per ResNet block/transformer layer) or blocks
   bool offload_optimizer = false;      // master, optimizer state, EMA in pinned host memory (stages 1-3)

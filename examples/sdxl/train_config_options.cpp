@@ -56,6 +56,10 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"zero", "reductions_in_flight", &c.reductions_in_flight,
        "gradient reductions (collectives over several ranks) in flight before backward waits for the oldest; "
        "each holds its bucket's buffers (the planner counts them)"},
+      {"zero", "prefetch_units", &c.prefetch_units,
+       "stage 3: units gathered ahead of the one in use (with offload_params: uploads overlapping compute); each "
+       "holds a unit's parameters (the planner counts them; --fit picks the deepest that fits, up to 4); 0: gather "
+       "each unit when it is entered"},
       {"zero", "shard_group_size", &c.shard_group_size,
        "hybrid sharding (HSDP): shard over groups of this many consecutive ranks (one node), replicate across the "
        "groups; must divide the number of ranks (0: shard over all ranks)"},

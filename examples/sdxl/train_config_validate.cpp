@@ -119,6 +119,8 @@ void TrainConfig::validate() const {
              "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",
              shard_group_size);
   // The engine's buckets are whole bytes: below one byte the engine would name its own option, not this one.
+  ZERO_CHECK(prefetch_units >= 0 && prefetch_units <= 64,
+             "prefetch_units ([zero]) must be in [0, 64] (0: gather each unit when entered), got ", prefetch_units);
   ZERO_CHECK(reductions_in_flight >= 1 && reductions_in_flight <= 1024,
              "reductions_in_flight ([zero]) must be in [1, 1024], got ", reductions_in_flight);
   ZERO_CHECK(std::isfinite(bucket_mib) && bucket_mib * (1 << 20) >= 1 && bucket_mib <= kMaxBucketMiB,

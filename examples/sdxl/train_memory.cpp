@@ -97,6 +97,8 @@ const std::vector<FitSetting>& fit_settings() {
        [](TrainConfig& t, const TrainConfig& f) { t.offload_accumulate_on_host = f.offload_accumulate_on_host; }},
       {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
        [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
+      {"prefetch_units", [](const TrainConfig& c) { return std::to_string(c.prefetch_units); },
+       [](TrainConfig& t, const TrainConfig& f) { t.prefetch_units = f.prefetch_units; }},
   };
   return settings;
 }
@@ -116,6 +118,7 @@ TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) 
   t.offload_delayed_update = p.input.engine.offload.delayed_update;
   t.offload_accumulate_on_host = p.input.engine.offload.accumulate_on_host;
   t.activation_checkpointing = p.input.activation_checkpointing;
+  t.prefetch_units = p.input.engine.buckets.prefetch_units;
   return t;
 }
 
@@ -182,6 +185,7 @@ FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput
   in.engine.offload.params = kept.offload_params;
   in.engine.offload.delayed_update = kept.offload_delayed_update;
   in.activation_checkpointing = kept.activation_checkpointing;
+  in.engine.buckets.prefetch_units = static_cast<int>(kept.prefetch_units);
   FitDecision d{zero::plan::make_plan(in), ""};
   const std::size_t cap = zero::parse_bytes(c.fit, "fit");
   if (const auto why = zero::plan::check_cap(d.plan, cap))
@@ -267,7 +271,11 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
           << least->plan.trainer_options() << "). " << result.summary();
     ZERO_THROW(zero::OutOfMemory, why.str());
   }
-  const TrainConfig applied = with_plan_settings(c, chosen->plan);
+  // The deepest prefetch that still fits, unless given on the command line.
+  zero::plan::FitOptions deepen = search;
+  if (pinned(c, "prefetch_units")) deepen.max_prefetch_units = 0;
+  const zero::plan::Plan chosen_plan = zero::plan::deepest_prefetch(chosen->plan, cap, deepen);
+  const TrainConfig applied = with_plan_settings(c, chosen_plan);
   const zero::plan::Plan as_given = zero::plan::make_plan(base);
   std::ostringstream out;
   out << "--- fit = " << c.fit << ": the fastest predicted of " << result.candidates.size()
@@ -276,14 +284,14 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
       << "predicted peak fits " << zero::format_bytes(static_cast<std::size_t>(static_cast<double>(cap) *
                                                                                 (1 - search.safety_margin)))
       << " (" << c.fit << " less a " << search.safety_margin * 100 << "% margin; zero-plan --fit " << c.fit
-      << " --global-batch " << search.global_batch << " ranks the same)\n  chosen: " << chosen->plan.trainer_options()
-      << "\n  predicted peak " << peak_range(chosen->plan) << " per rank, predicted " << images_per_second(chosen->plan)
+      << " --global-batch " << search.global_batch << " ranks the same)\n  chosen: " << chosen_plan.trainer_options()
+      << "\n  predicted peak " << peak_range(chosen_plan) << " per rank, predicted " << images_per_second(chosen_plan)
       << " images/s (speed model calibrated on an H200; its measured errors: docs/planner.md)\n  the configuration as given ("
       << as_given.trainer_options() << "): predicted peak up to " << zero::format_bytes(as_given.gpu_peak()) << ", "
       << images_per_second(as_given) << " images/s\n  changed from the configuration: " << changes(c, applied) << "\n";
   for (const std::string& s : skipped) out << "  passed over (faster, fits): " << s << "\n";
   out << "---\n";
-  FitDecision d{chosen->plan, out.str()};
+  FitDecision d{chosen_plan, out.str()};
   c = applied;
   return d;
 }

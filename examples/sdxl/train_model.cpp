@@ -49,6 +49,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.param_dtype = dtype_of(cfg.precision);
   options.buckets.bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
   options.buckets.max_reductions_in_flight = static_cast<int>(cfg.reductions_in_flight);
+  options.buckets.prefetch_units = static_cast<int>(cfg.prefetch_units);
   options.accumulation_steps = static_cast<int>(cfg.accumulation);
   options.accumulation = cfg.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                              : zero::GradAccumulation::reduce_each_micro_step;

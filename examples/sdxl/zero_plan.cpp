@@ -101,7 +101,7 @@ struct Options {
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
   std::string units = "layers";
   int shard_group_size = 0, global_batch = 0;
-  int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2, ema_every = 1;
+  int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2, ema_every = 1, prefetch_units = 1;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
   bool ema = false, offload = false, offload_params = false, delayed_update = false, accumulate_on_host = false,
@@ -159,6 +159,8 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--bucket-mib", o.bucket_mib, "bucket size with --params")->capture_default_str();
   app.add_option("--max-reductions-in-flight", o.in_flight, "engine option")
       ->capture_default_str()->check(CLI::Range(1, kMaxInFlight));
+  app.add_option("--prefetch-units", o.prefetch_units, "stage 3: units gathered ahead of the one in use")
+      ->capture_default_str()->check(CLI::Range(0, 64));
   app.add_flag("--fp32-accumulate", o.fp32_accumulate, "NCCL half reductions through fp32 scratch");
   app.add_option("--activation-per-sample", o.per_sample_text, "override: activation bytes per sample (e.g. 2GiB)");
   app.add_option("--activation-fixed", o.fixed_text, "override: activation bytes independent of the batch");
@@ -237,6 +239,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
                "--bucket-mib or lower --accumulation");
   }
   in.engine.buckets.max_reductions_in_flight = o.in_flight;
+  in.engine.buckets.prefetch_units = o.prefetch_units;
   in.fp32_accumulate_reductions = o.fp32_accumulate;
   in.batch = o.batch;
   in.activation_checkpointing = o.checkpointing;

@@ -290,7 +290,8 @@ std::string Plan::trainer_options() const {
          (input.engine.offload.accumulate_on_host ? ", offload_accumulate_on_host = true" : "") +
          ", activation_checkpointing = " + flag(input.activation_checkpointing) +
          ", batch_size = " + std::to_string(input.batch) +
-         ", accumulation = " + std::to_string(input.engine.accumulation_steps);
+         ", accumulation = " + std::to_string(input.engine.accumulation_steps) +
+         (input.engine.stage == 3 ? ", prefetch_units = " + std::to_string(input.engine.buckets.prefetch_units) : "");
 }
 
 std::string Plan::label() const {
@@ -364,6 +365,7 @@ nlohmann::json plan_json(const Plan& p) {
                  {"accumulation_steps", in.engine.accumulation_steps},
                  {"accumulation", in.engine.accumulation == GradAccumulation::reduce_at_boundary ? "boundary" : "each"},
                  {"max_reductions_in_flight", in.engine.buckets.max_reductions_in_flight},
+                 {"prefetch_units", in.engine.buckets.prefetch_units},
                  {"batch", in.batch},
                  {"activation_checkpointing", in.activation_checkpointing},
                  {"latent_area_scale", in.activations.area_scale}};

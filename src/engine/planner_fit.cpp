@@ -114,6 +114,20 @@ std::optional<Plan> fastest_fitting(const PlanInput& base, std::size_t gpu_bytes
 
 }  // namespace
 
+Plan deepest_prefetch(const Plan& plan, std::size_t gpu_bytes, const FitOptions& options) {
+  const PlanInput& in = plan.input;
+  const bool gathers = in.engine.stage == 3 && (in.world_size > 1 || in.engine.offload.params);
+  if (!gathers) return plan;
+  const std::size_t limit = usable(gpu_bytes, options);
+  for (int depth = options.max_prefetch_units; depth > in.engine.buckets.prefetch_units; --depth) {
+    PlanInput deeper = in;
+    deeper.engine.buckets.prefetch_units = depth;
+    FitResult::Candidate c = candidate(std::move(deeper), options, limit);
+    if (c.fits) return std::move(c.plan);
+  }
+  return plan;
+}
+
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   ZERO_CHECK(gpu_bytes > 0, "fit: the GPU budget must be positive");
   ZERO_CHECK(options.safety_margin >= 0 && options.safety_margin < 1, "fit: safety_margin must be in [0, 1), got ",
@@ -124,7 +138,7 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
   result.candidates = search(base, gpu_bytes, options);
   for (const auto& c : result.candidates)
     if (c.fits) {
-      result.best = c.plan;
+      result.best = deepest_prefetch(c.plan, gpu_bytes, options);
       break;
     }
   if (result.best) return result;

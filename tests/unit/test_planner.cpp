@@ -197,6 +197,57 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 12 GiB offloads the parameters as wel
   CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 12 * kGiB));
 }
 
+TEST_CASE("plan: stage 3 holds the unit in use plus prefetch_units ahead; fit picks the deepest that fits") {
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 2;
+  in.engine.stage = 3;
+  in.activation_checkpointing = true;
+  // Without the block cache (what the trainer sets under tight caps) every
+  // unit buffer is new memory; with it, deeper prefetches reuse cached blocks.
+  in.engine.buckets.cache_bytes = 0;
+  std::vector<std::size_t> gathered;
+  for (int depth = 0; depth <= 3; ++depth) {
+    in.engine.buckets.prefetch_units = depth;
+    gathered.push_back(plan::make_plan(in).engine.gathered_units);
+  }
+  CHECK(gathered[0] > 0);
+  for (std::size_t d = 1; d < gathered.size(); ++d) CHECK(gathered[d] > gathered[d - 1]);
+  // Depth d holds at most d + 1 units: never more than d + 1 of the largest.
+  in.engine.buckets.prefetch_units = 1;
+  const plan::Plan one = plan::make_plan(in);
+  CHECK(gathered[3] <= 4 * one.largest_unit_elements * 2);
+  // Speed: the model does not count the depth.
+  in.engine.buckets.prefetch_units = 3;
+  CHECK(plan::make_plan(in).images_per_second() == doctest::Approx(one.images_per_second()));
+
+  // deepest_prefetch: with room, the maximum; with room for exactly depth 2,
+  // depth 2; below stage 3, or one rank without offload_params, unchanged.
+  const plan::Plan deep = plan::deepest_prefetch(one, 1024 * kGiB);
+  CHECK(deep.input.engine.buckets.prefetch_units == 4);
+  in.engine.buckets.prefetch_units = 2;
+  const plan::Plan two = plan::make_plan(in);
+  const plan::FitOptions no_margin{.safety_margin = 0};
+  in.engine.buckets.prefetch_units = 2;
+  CHECK(plan::deepest_prefetch(one, two.gpu_peak(), no_margin).input.engine.buckets.prefetch_units == 2);
+  CHECK(plan::deepest_prefetch(one, one.gpu_peak(), no_margin).input.engine.buckets.prefetch_units == 1);
+  plan::FitOptions keep;
+  keep.max_prefetch_units = 0;
+  CHECK(plan::deepest_prefetch(one, 1024 * kGiB, keep).input.engine.buckets.prefetch_units == 1);
+  in.engine.stage = 2;
+  in.engine.buckets.prefetch_units = 1;
+  CHECK(plan::deepest_prefetch(plan::make_plan(in), 1024 * kGiB).input.engine.buckets.prefetch_units == 1);
+  in.engine.stage = 3;
+  in.world_size = 1;
+  CHECK(plan::deepest_prefetch(plan::make_plan(in), 1024 * kGiB).input.engine.buckets.prefetch_units == 1);
+  in.engine.offload = {.optimizer = true, .params = true};
+  CHECK(plan::deepest_prefetch(plan::make_plan(in), 1024 * kGiB).input.engine.buckets.prefetch_units == 4);
+  // fit() hands back its choice deepened.
+  const plan::FitResult r = plan::fit(in, 1024 * kGiB);
+  REQUIRE(r.best.has_value());
+  if (r.best->input.engine.stage == 3 && r.best->input.engine.offload.params)
+    CHECK(r.best->input.engine.buckets.prefetch_units == 4);
+}
+
 TEST_CASE("plan: engine buffers follow the engine's rules") {
   plan::PlanInput in = sdxl_input();
   in.activation_checkpointing = true;

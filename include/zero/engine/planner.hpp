@@ -254,6 +254,11 @@ struct FitOptions {
   /// no offload_params, accumulation 1); candidates ranked by
   /// images_per_second(). 0: the base input's batch and accumulation.
   int global_batch = 0;
+  /// Stage 3 with real gathers: the chosen plan prefetches as many units
+  /// ahead as still fit, up to this many (deepest_prefetch()); the speed
+  /// model does not count the depth (uploads are counted as not hidden by
+  /// compute at any depth). 0: keep the base input's prefetch_units.
+  int max_prefetch_units = 4;
 };
 
 struct FitResult {
@@ -284,6 +289,13 @@ struct FitResult {
 /// update too); everything else is kept. A delayed update in the base input
 /// is kept only where the candidate allows it.
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options = {});
+
+/// `plan` with the deepest buckets.prefetch_units up to
+/// options.max_prefetch_units whose peak still fits gpu_bytes (fit()'s
+/// test); `plan` itself where no deeper one fits, where it does not gather
+/// units (below stage 3, or one rank without offload_params) or where the
+/// maximum is not above its depth.
+Plan deepest_prefetch(const Plan& plan, std::size_t gpu_bytes, const FitOptions& options = {});
 
 /// For a trainer, before it allocates anything: nullopt when the plan's peak
 /// (options.estimate) fits cap_bytes with the safety margin, else a message

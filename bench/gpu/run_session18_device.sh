@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 18 (2026-12-05): stage 3's prefetch depth ([zero] prefetch_units).
+# Session 15 measured stage 3 with everything offloaded under a 12 GiB cap,
+# 2 x 4 (sdxl-1024.toml: AdamW + EMA, checkpointing): 2.81 images/s, uploads
+# at 22-27 GB/s effective against ~50 GB/s bulk. Then checkpointed units were
+# not prefetched at all, and gather_unit waited on the host for each unit.
+# Now a checkpointed unit's recompute prefetches like any backward entry,
+# and prefetch_units sets the depth. This phase runs the same configuration
+# at depths 0, 1 (the default) and 3 in one call.
+#   PHASES="build prefetch" TARGETS="train" STEPS=8 bash bench/gpu/run_session18_device.sh
+# threads: the offloaded batch-8 run with other host team sizes against the
+# default in the same call (session 17's omp phase, one variant).
+set -uo pipefail
+NAME=s18 DEFAULT_PHASES="prefetch"
+source bench/gpu/device_env.sh
+if has build; then build_targets ${TARGETS:-}; fi
+source bench/gpu/trainer_run.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+if has prefetch; then
+  capped=(--max_gpu_memory 12GiB --stage 3 --offload_optimizer true --offload_params true
+          --offload_delayed_update true --batch_size 2 --accumulation 4)
+  for depth in ${DEPTHS:-1 0 3}; do
+    run_trainer "sdxl-prefetch$depth-cap12-stage3-2x4" 200 "${capped[@]}" --prefetch_units "$depth"
+  done
+fi
+if has threads; then
+  gb8=/tmp/sdxl-1024-gb8.toml
+  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
+  CONFIG=$gb8 run_trainer "sdxl-threads-default" 150 "${delayed[@]}"
+  CONFIG=$gb8 run_trainer "sdxl-threads-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+say "done"

@@ -374,6 +374,7 @@ nlohmann::json plan_json(const Plan& p) {
   j["host_bytes"] = host;
   j["relative_time_per_sample"] = p.relative_time();
   j["label"] = p.label();
+  j["trainer_options"] = p.trainer_options();
   j["traffic_per_rank_per_step"] = {{"shard_group_size", p.traffic.shard_group_size},
                                     {"within_shard_group_bytes", p.traffic.within_shard_group},
                                     {"across_replicas_bytes", p.traffic.across_replicas},

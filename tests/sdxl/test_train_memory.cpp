@@ -117,7 +117,8 @@ std::string options_of(const sdxl::TrainConfig& c) {
          (c.offload_delayed_update ? "true" : "false") +
          (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") + ", activation_checkpointing = " +
          (c.activation_checkpointing ? "true" : "false") + ", batch_size = " + std::to_string(c.batch_size) +
-         ", accumulation = " + std::to_string(c.accumulation);
+         ", accumulation = " + std::to_string(c.accumulation) +
+         (c.stage == 3 ? ", prefetch_units = " + std::to_string(c.prefetch_units) : "");
 }
 
 /// What `zero-plan --unet-config sdxl-base --ema --fit 24GiB --global-batch 8` proposes.
@@ -167,7 +168,8 @@ TEST_CASE("fit: an option given on the command line is kept; faster proposals th
   const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
   CHECK(c.stage == pinned_stage);
   CHECK(c.batch_size * c.accumulation == 8);
-  CHECK(options_of(c) == at_stage->trainer_options());
+  // At stage 3 the choice also prefetches as deep as still fits.
+  CHECK(options_of(c) == zero::plan::deepest_prefetch(*at_stage, 40 * zero::plan::kGiB).trainer_options());
   CHECK(d.report.find("passed over (faster, fits): " + proposal.best->trainer_options() + ": --stage " +
                       std::to_string(pinned_stage) + " was given on the command line") != std::string::npos);
 }

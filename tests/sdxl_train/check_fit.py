@@ -117,7 +117,10 @@ def main():
     top = next((c for c in plan["candidates"] if c["fits"]), None)
     check(top is not None and top["offload_optimizer"], f"zero-plan --fit {cap}: an offloaded proposal fits "
           f"({top and top['trainer_options']})")
-    expected = dict(item.split(" = ") for item in top["trainer_options"].split(", "))
+    # The trainer applies fit()'s best: the top proposal, prefetching at stage 3
+    # as deep as still fits (zero-plan's "best").
+    check(plan["best"] is not None and plan["best"]["label"] == top["label"], "zero-plan's best is its top proposal")
+    expected = dict(item.split(" = ") for item in plan["best"]["trainer_options"].split(", "))
     as_given = {"stage": "2", "offload_optimizer": "false", "offload_params": "false",
                 "offload_delayed_update": "false", "activation_checkpointing": "false", "batch_size": "1",
                 "accumulation": "4"}

@@ -113,6 +113,8 @@ check_refused_early(train("threads", "--offload_update_threads", "-1"), "offload
                     r"offload_update_threads must be in \[0, 4096\]")
 check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductions_in_flight 0",
                     r"reductions_in_flight \(\[zero\]\) must be in \[1, 1024\]")
+check_refused_early(train("prefetch", "--prefetch_units", "-1"), "prefetch_units -1",
+                    r"prefetch_units \(\[zero\]\) must be in \[0, 64\]")
 unet = json.load(open(UNET_JSON))
 deep = dict(unet, layers_per_block=100000)
 path_deep = os.path.join(WORK, "layers_100000.json")

@@ -6,6 +6,23 @@
 
 namespace zero::detail {
 
+BufferPool::BufferPool(Backend& backend, std::size_t cache_limit, bool keep_working_set,
+                       std::vector<std::size_t> block_sizes)
+    : backend_(backend),
+      cache_limit_(cache_limit),
+      keep_working_set_(keep_working_set),
+      block_sizes_(std::move(block_sizes)) {
+  std::sort(block_sizes_.begin(), block_sizes_.end());
+}
+
+std::size_t BufferPool::block_size_for(std::size_t bytes) const {
+  // At most twice the request: a unit or bucket far below the largest keeps
+  // its own size rather than hold a large block.
+  const auto size = std::lower_bound(block_sizes_.begin(), block_sizes_.end(), bytes);
+  const bool cached = *size <= cache_limit_ || keep_working_set_;
+  return size == block_sizes_.end() || !cached || *size > 2 * bytes ? bytes : *size;
+}
+
 BufferPool::~BufferPool() {
   for (auto& [bytes, blocks] : free_blocks_)
     for (FreeBlock& b : blocks) {
@@ -25,6 +42,7 @@ void BufferPool::count_transient(Category c, std::ptrdiff_t live, std::ptrdiff_t
   in_use = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(in_use) + live);
   cached_ = static_cast<std::size_t>(static_cast<std::ptrdiff_t>(cached_) + cached);
   if (transient_now().total() > transient_peak_.total()) transient_peak_ = transient_now();
+  peak_in_use_ = std::max(peak_in_use_, transient_units_ + transient_buffers_);
 }
 
 void* BufferPool::allocate_bytes(Category c, std::size_t bytes) {
@@ -53,32 +71,51 @@ void BufferPool::free_host(void* p, std::size_t bytes) {
 }
 
 std::byte* BufferPool::acquire(Category c, std::size_t bytes, Stream stream) {
-  auto& blocks = free_blocks_[bytes];
   std::byte* p;
+  std::size_t capacity = bytes;
   std::ptrdiff_t reused = 0;
-  if (!blocks.empty()) {
-    const FreeBlock block = blocks.back();
-    blocks.pop_back();
+  const std::size_t block = block_size_for(bytes);
+  auto fit = free_blocks_.lower_bound(bytes);
+  while (fit != free_blocks_.end() && fit->second.empty()) ++fit;
+  const bool fits = fit != free_blocks_.end() && fit->first <= 2 * bytes;
+  if (fits) {
+    capacity = fit->first;
+    const FreeBlock block = fit->second.back();
+    fit->second.pop_back();
     p = static_cast<std::byte*>(block.p);
     if (block.last_use) {
       backend_.stream_wait(stream, block.last_use);
       backend_.release_event(block.last_use);
     }
-    reused = static_cast<std::ptrdiff_t>(bytes);
+    reused = static_cast<std::ptrdiff_t>(capacity);
+    cached_ -= capacity;
     count(kBuffers, -reused);
   } else {
-    p = static_cast<std::byte*>(backend_.allocate(bytes));
+    capacity = block;
+    p = static_cast<std::byte*>(backend_.allocate(capacity));
   }
-  if (capturing_) captured_[p] = bytes;
+  capacity_[p] = capacity;
+  if (capturing_) captured_[p] = capacity;
   backend_.fill_zero(p, bytes, stream);
-  count(c, static_cast<std::ptrdiff_t>(bytes));
-  count_transient(c, static_cast<std::ptrdiff_t>(bytes), -reused);
+  count(c, static_cast<std::ptrdiff_t>(capacity));
+  count_transient(c, static_cast<std::ptrdiff_t>(capacity), 0);
   return p;
 }
 
 void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_use) {
+  const auto held = capacity_.find(p);
+  ZERO_CHECK(held != capacity_.end(), "BufferPool::give_back: a block (", bytes, " bytes) this pool did not hand out");
+  ZERO_CHECK(bytes <= held->second, "BufferPool::give_back: ", bytes, " bytes for a block of ", held->second);
+  bytes = held->second;
+  capacity_.erase(held);
   count(c, -static_cast<std::ptrdiff_t>(bytes));
-  if (cached_ + bytes > cache_limit_ && !capturing_) {
+  // Kept: within the cache's limit, or (the working set) when what the pool
+  // holds, this block included, is no more than the most it has had in use
+  // at once: the next step needs as much again, and keeping it adds nothing
+  // to the peak.
+  const std::size_t holding = transient_units_ + transient_buffers_ + cached_;
+  const bool keep = cached_ + bytes <= cache_limit_ || (keep_working_set_ && holding <= peak_in_use_);
+  if (!keep && !capturing_) {
     count_transient(c, -static_cast<std::ptrdiff_t>(bytes), 0);
     // The device path orders frees after the work queued on these streams.
     backend_.synchronize(backend_.comm_stream());
@@ -89,6 +126,24 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
   count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
   free_blocks_[bytes].push_back({p, backend_.record_event(last_use)});
   count_transient(c, -static_cast<std::ptrdiff_t>(bytes), static_cast<std::ptrdiff_t>(bytes));
+}
+
+void BufferPool::trim() {
+  if (capturing_ || cached_ <= cache_limit_) return;
+  backend_.synchronize(backend_.comm_stream());
+  backend_.synchronize(backend_.compute_stream());
+  // Largest first: the fewest frees bring the cache back to its limit.
+  for (auto size = free_blocks_.rbegin(); size != free_blocks_.rend() && cached_ > cache_limit_; ++size) {
+    auto& blocks = size->second;
+    while (!blocks.empty() && cached_ > cache_limit_) {
+      const FreeBlock block = blocks.back();
+      blocks.pop_back();
+      backend_.release_event(block.last_use);
+      backend_.deallocate(block.p, size->first);
+      count(kBuffers, -static_cast<std::ptrdiff_t>(size->first));
+      count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(size->first));
+    }
+  }
 }
 
 void BufferPool::begin_capture() {

@@ -25,8 +25,21 @@ struct TransientUse {
 
 class BufferPool {
  public:
-  /// cache_limit: free transient bytes kept for reuse at most.
-  BufferPool(Backend& backend, std::size_t cache_limit) : backend_(backend), cache_limit_(cache_limit) {}
+  /// cache_limit: free transient bytes kept for reuse at most; with
+  /// keep_working_set, more while the pool holds no more than the most it has
+  /// had in use at once (within a step the blocks stay for the next unit or
+  /// bucket, and the peak does not grow; trim() goes back to the limit).
+  /// block_sizes:
+  /// the sizes of the blocks the schedules ask for at their largest (a unit,
+  /// a bucket's gradients, a shard's scratch). A new block is made as large
+  /// as the smallest of them that holds the request, where that is at most
+  /// twice the request and the cache can hold one, so that one block serves
+  /// most requests of its kind. Buckets
+  /// and units come in many sizes: blocks kept by exact size missed, and each
+  /// miss meant a cudaMalloc and, with the cache full, a free that waits for
+  /// the device, a host sync per bucket or unit. Empty: exact sizes.
+  BufferPool(Backend& backend, std::size_t cache_limit, bool keep_working_set = false,
+             std::vector<std::size_t> block_sizes = {});
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -44,14 +57,21 @@ class BufferPool {
   void free(void* p, std::size_t bytes);
   void free_host(void* p, std::size_t bytes);
 
-  /// A transient block, zeroed on `stream`; a free block of the same size is
-  /// reused, `stream` first waiting for its last use.
+  /// A transient block of at least `bytes`, its first `bytes` zeroed on
+  /// `stream`. The smallest free block that holds it is reused (if at most
+  /// twice `bytes`), `stream` first waiting for its last use. Counted at the
+  /// block's capacity.
   std::byte* acquire(Category c, std::size_t bytes, Stream stream);
   /// Returns a transient block whose last use was queued on `last_use`: kept
   /// for reuse (counted as buffers) while the cache is under its limit,
   /// freed otherwise. The next acquire waits on the device for that last
   /// use, not the host: a stream-ordered pool, which a CUDA graph capture needs.
   void give_back(Category c, void* p, std::size_t bytes, Stream last_use);
+
+  /// Frees cached blocks beyond the cache's limit (after one wait for both
+  /// streams, where there are any): the working set kept within a step goes
+  /// back to the limit between steps. No-op while capturing.
+  void trim();
 
   /// A CUDA graph capture: until end_capture() nothing is freed (that would
   /// wait on the host) and the blocks the capture uses are noted; then those
@@ -74,12 +94,17 @@ class BufferPool {
 
   Backend& backend_;
   std::size_t cache_limit_ = 0;
+  bool keep_working_set_ = false;
+  std::size_t peak_in_use_ = 0;  // the most transient bytes in use at once
+  std::vector<std::size_t> block_sizes_;  // ascending
+  std::size_t block_size_for(std::size_t bytes) const;
+  std::map<void*, std::size_t> capacity_;  // transient blocks in use: their capacity
   std::array<std::size_t, kCategories> current_{}, peak_{}, host_current_{}, host_peak_{};
   struct FreeBlock {
     void* p = nullptr;
     Event last_use = nullptr;  // recorded after the block's last use; null once waited for
   };
-  std::map<std::size_t, std::vector<FreeBlock>> free_blocks_;  // reusable transient blocks by size
+  std::map<std::size_t, std::vector<FreeBlock>> free_blocks_;  // reusable transient blocks by capacity
   bool capturing_ = false;
   std::map<void*, std::size_t> captured_;     // blocks acquired during the capture
   std::vector<std::pair<void*, std::size_t>> graph_blocks_;  // kept for a captured graph

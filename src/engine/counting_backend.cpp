@@ -13,12 +13,16 @@ void* CountingBackend::next_address(std::size_t bytes) {
 }
 
 void* CountingBackend::allocate(std::size_t bytes) {
+  ++allocations_;
   device_ += bytes;
   device_peak_ = std::max(device_peak_, device_);
   return next_address(bytes);
 }
 
-void CountingBackend::deallocate(void*, std::size_t bytes) { device_ -= bytes; }
+void CountingBackend::deallocate(void*, std::size_t bytes) {
+  device_ -= bytes;
+  ++deallocations_;
+}
 
 void* CountingBackend::allocate_host(std::size_t bytes) {
   host_ += bytes;

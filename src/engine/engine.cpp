@@ -16,11 +16,23 @@ namespace zero {
 // ---------------------------------------------------------------- Impl
 
 namespace {
+std::size_t largest_bucket_of(const FlatLayout& layout) {
+  std::size_t largest = 0;
+  for (const Bucket& b : layout.buckets()) largest = std::max(largest, b.padded);
+  return largest;
+}
+// The transient blocks' sizes at their largest: a stage-3 unit, a bucket's
+// gradients, a shard's reduction scratch.
+std::vector<std::size_t> block_sizes_of(const FlatLayout& layout, const EngineOptions& o) {
+  std::size_t largest_shard = 0;
+  for (const Bucket& b : layout.buckets()) largest_shard = std::max(largest_shard, b.shard_size);
+  const std::size_t largest = largest_bucket_of(layout);
+  return {largest * size_of(o.param_dtype), largest * size_of(o.effective_grad_dtype()),
+          largest_shard * size_of(o.effective_grad_dtype())};
+}
 std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
-  std::size_t largest_bucket = 0;
-  for (const Bucket& b : layout.buckets()) largest_bucket = std::max(largest_bucket, b.padded);
   const std::size_t widest = std::max(size_of(o.param_dtype), size_of(o.effective_grad_dtype()));
-  return o.buckets.cache_bytes.value_or(2 * largest_bucket * widest);
+  return o.buckets.cache_bytes.value_or(2 * largest_bucket_of(layout) * widest);
 }
 }  // namespace
 
@@ -39,7 +51,7 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
       gdt(o.effective_grad_dtype()),
       p_size(size_of(pdt)),
       g_size(size_of(gdt)),
-      pool(b, cache_limit_of(l, o)) {
+      pool(b, cache_limit_of(l, o), /*keep_working_set=*/!o.buckets.cache_bytes.has_value(), block_sizes_of(l, o)) {
   // Persistent buffers, where the plan puts them (memory_model.cpp counts the same).
   const std::size_t full = layout.padded_numel(), shard = layout.shard_numel();
   if (plan.params_full) params_full = pool.allocate(kParams, full * p_size);
@@ -603,6 +615,7 @@ StepResult Engine::step() {
 
   m.reset_gradients();
   m.micro_step = 0;
+  m.pool.trim();  // the blocks the step kept for reuse beyond the cache's limit
   result.host_to_device_bytes = std::exchange(m.bytes_to_device, 0);
   result.device_to_host_bytes = std::exchange(m.bytes_to_host, 0);
   if (!proceed && options_.max_consecutive_nonfinite > 0 &&

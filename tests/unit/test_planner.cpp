@@ -101,12 +101,16 @@ TEST_CASE("plan: offload moves master, optimizer state and EMA to the host, plus
   // One micro-step: the gradient shard streams to the host as it is reduced
   // (through scratch blocks in the engine's buffers), none stays on the GPU.
   // Each scratch block goes back to the pool once its copy is queued (its
-  // next user waits on the device), so the blocks in use stay within those
-  // on the GPU's path.
+  // next user waits on the device), so beyond the GPU path's bucket buffers
+  // the offloaded path holds at most a scratch block per reduction in flight
+  // and the one being started.
   CHECK(offloaded.model_state.grads == 0);
   CHECK(on_gpu.model_state.grads == shard * 2);
   CHECK(offloaded.engine.bucket_buffers > 0);
-  CHECK(offloaded.engine.bucket_buffers <= on_gpu.engine.bucket_buffers);
+  const std::size_t largest_shard = on_gpu.largest_unit_elements / 4;  // padded: a multiple of the world size
+  CHECK(offloaded.engine.bucket_buffers <=
+        on_gpu.engine.bucket_buffers +
+            static_cast<std::size_t>(in.engine.buckets.max_reductions_in_flight + 1) * largest_shard * 2);
   CHECK(on_gpu.gpu_peak() + offloaded.engine.peak() - offloaded.gpu_peak() - on_gpu.engine.peak() ==
         on_gpu.model_state.master + on_gpu.model_state.optimizer_state + on_gpu.model_state.ema +
             on_gpu.model_state.grads);
@@ -280,8 +284,8 @@ TEST_CASE("plan: engine buffers follow the engine's rules") {
   const plan::Plan three = plan::make_plan(in);
   CHECK(three.engine.gathered_units > 0);
   CHECK(three.engine.gathered_units <= 2 * largest * 2);  // a unit and its prefetch
-  CHECK(three.engine.at_step_end <= 2 * largest * 2);
-  CHECK(three.engine.at_step_end >= two.engine.at_step_end);
+  CHECK(three.engine.at_step_end <= 2 * largest * 2);  // step() trims the cache back to its limit
+  CHECK(three.engine.at_step_end > 0);
   // Without the block cache nothing is held between steps and the peak is lower.
   in.engine.buckets.cache_bytes = 0;
   const plan::Plan uncached = plan::make_plan(in);

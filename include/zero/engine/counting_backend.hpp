@@ -28,7 +28,7 @@ class CountingBackend final : public Backend {
   Event record_event(Stream) override { return nullptr; }
   void stream_wait(Stream, Event) override {}
   void release_event(Event) override {}
-  void synchronize(Stream) override {}
+  void synchronize(Stream) override { ++synchronizations_; }
   void wait_event(Event) override {}
 
   void fill_zero(void*, std::size_t, Stream) override {}
@@ -53,11 +53,17 @@ class CountingBackend final : public Backend {
   std::size_t device_bytes() const { return device_; }
   std::size_t device_peak() const { return device_peak_; }
   std::size_t host_bytes() const { return host_; }
+  /// Calls so far: device allocations and frees (each a cudaMalloc or a
+  /// cudaFree, which waits for the device), and host waits for a stream.
+  std::size_t allocations() const { return allocations_; }
+  std::size_t deallocations() const { return deallocations_; }
+  std::size_t synchronizations() const { return synchronizations_; }
 
  private:
   void* next_address(std::size_t bytes);
   std::uintptr_t next_ = std::uintptr_t{1} << 44;  // far from any real mapping
   std::size_t device_ = 0, device_peak_ = 0, host_ = 0;
+  std::size_t allocations_ = 0, deallocations_ = 0, synchronizations_ = 0;
 };
 
 }  // namespace zero

@@ -10,6 +10,11 @@
 #   PHASES="build prefetch" TARGETS="train" STEPS=8 bash bench/gpu/run_session18_device.sh
 # threads: the offloaded batch-8 run with other host team sizes against the
 # default in the same call (session 17's omp phase, one variant).
+# pool: after the buffer-pool change (a step's working set no longer freed
+# block by block, each free a cudaFree after a wait for both streams): the
+# on-device reference and the offloaded run at batch 8 (stage 2, delayed),
+# and the 12 GiB stage-3 run at prefetch depths 1 and 3, in one call:
+#   PHASES="build pool" TARGETS=train STEPS=10 bash bench/gpu/run_session18_device.sh
 set -uo pipefail
 NAME=s18 DEFAULT_PHASES="prefetch"
 source bench/gpu/device_env.sh
@@ -29,6 +34,16 @@ if has threads; then
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-threads-default" 150 "${delayed[@]}"
   CONFIG=$gb8 run_trainer "sdxl-threads-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
+fi
+if has pool; then
+  gb8=/tmp/sdxl-1024-gb8.toml
+  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  CONFIG=$gb8 run_trainer "sdxl-pool-ondevice-stage2-8x1" 150 --stage 2
+  CONFIG=$gb8 run_trainer "sdxl-pool-offload-delayed-stage2-8x1" 150 --stage 2 --offload_optimizer true --offload_delayed_update true
+  for depth in 1 3; do
+    run_trainer "sdxl-pool-prefetch$depth-cap12-stage3-2x4" 200 --max_gpu_memory 12GiB --stage 3 --offload_optimizer true \
+      --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4 --prefetch_units "$depth"
+  done
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

@@ -43,9 +43,11 @@ struct BucketOptions {
   /// fits the memory cap (up to 4).
   int prefetch_units = 1;
   /// Free transient blocks (gradient buckets, scratch, stage-3 unit buffers)
-  /// kept for reuse, in bytes; default: two of the largest bucket. 0 frees
-  /// each block when it is given back: the least memory, but every free
-  /// then waits for the device.
+  /// kept for reuse, in bytes. Default: two of the largest bucket between
+  /// steps, and within a step the working set (blocks given back are kept
+  /// while the pool holds no more than its peak in use; step() trims). Set,
+  /// a hard limit at all times. 0 frees each block when it is given back:
+  /// the least memory, but every free then waits for the device.
   std::optional<std::size_t> cache_bytes;
   /// On one rank the reduce-scatter and the gathers are the identity:
   /// stages 2-3 let backward write one full gradient buffer

@@ -132,17 +132,22 @@ void BufferPool::trim() {
   if (capturing_ || cached_ <= cache_limit_) return;
   backend_.synchronize(backend_.comm_stream());
   backend_.synchronize(backend_.compute_stream());
-  // Largest first: the fewest frees bring the cache back to its limit.
-  for (auto size = free_blocks_.rbegin(); size != free_blocks_.rend() && cached_ > cache_limit_; ++size) {
+  // Largest first, each kept while it fits what is left of the limit: the
+  // cache stays as full as the limit allows (the next step draws on it).
+  std::size_t budget = cache_limit_;
+  for (auto size = free_blocks_.rbegin(); size != free_blocks_.rend(); ++size) {
     auto& blocks = size->second;
-    while (!blocks.empty() && cached_ > cache_limit_) {
-      const FreeBlock block = blocks.back();
-      blocks.pop_back();
+    std::erase_if(blocks, [&, bytes = size->first](const FreeBlock& block) {
+      if (bytes <= budget) {
+        budget -= bytes;
+        return false;
+      }
       backend_.release_event(block.last_use);
-      backend_.deallocate(block.p, size->first);
-      count(kBuffers, -static_cast<std::ptrdiff_t>(size->first));
-      count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(size->first));
-    }
+      backend_.deallocate(block.p, bytes);
+      count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
+      count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(bytes));
+      return true;
+    });
   }
 }
 

@@ -7,20 +7,23 @@
 namespace zero::detail {
 
 BufferPool::BufferPool(Backend& backend, std::size_t cache_limit, bool keep_working_set,
-                       std::vector<std::size_t> block_sizes)
+                       std::map<Category, std::vector<std::size_t>> block_sizes)
     : backend_(backend),
       cache_limit_(cache_limit),
       keep_working_set_(keep_working_set),
       block_sizes_(std::move(block_sizes)) {
-  std::sort(block_sizes_.begin(), block_sizes_.end());
+  for (auto& [category, sizes] : block_sizes_) std::sort(sizes.begin(), sizes.end());
 }
 
-std::size_t BufferPool::block_size_for(std::size_t bytes) const {
+std::size_t BufferPool::block_size_for(Category c, std::size_t bytes) const {
+  const auto kind = block_sizes_.find(c);
+  if (kind == block_sizes_.end()) return bytes;
+  const std::vector<std::size_t>& sizes = kind->second;
   // At most twice the request: a unit or bucket far below the largest keeps
   // its own size rather than hold a large block.
-  const auto size = std::lower_bound(block_sizes_.begin(), block_sizes_.end(), bytes);
+  const auto size = std::lower_bound(sizes.begin(), sizes.end(), bytes);
   const bool cached = *size <= cache_limit_ || keep_working_set_;
-  return size == block_sizes_.end() || !cached || *size > 2 * bytes ? bytes : *size;
+  return size == sizes.end() || !cached || *size > 2 * bytes ? bytes : *size;
 }
 
 BufferPool::~BufferPool() {
@@ -74,10 +77,11 @@ std::byte* BufferPool::acquire(Category c, std::size_t bytes, Stream stream) {
   std::byte* p;
   std::size_t capacity = bytes;
   std::ptrdiff_t reused = 0;
-  const std::size_t block = block_size_for(bytes);
+  const std::size_t block = block_size_for(c, bytes);
   auto fit = free_blocks_.lower_bound(bytes);
   while (fit != free_blocks_.end() && fit->second.empty()) ++fit;
-  const bool fits = fit != free_blocks_.end() && fit->first <= 2 * bytes;
+  // A free block no larger than a new one would be: reuse never holds more.
+  const bool fits = fit != free_blocks_.end() && fit->first <= block;
   if (fits) {
     capacity = fit->first;
     const FreeBlock block = fit->second.back();

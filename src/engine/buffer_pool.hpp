@@ -39,7 +39,7 @@ class BufferPool {
   /// miss meant a cudaMalloc and, with the cache full, a free that waits for
   /// the device, a host sync per bucket or unit. Empty: exact sizes.
   BufferPool(Backend& backend, std::size_t cache_limit, bool keep_working_set = false,
-             std::vector<std::size_t> block_sizes = {});
+             std::map<Category, std::vector<std::size_t>> block_sizes = {});
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -58,9 +58,9 @@ class BufferPool {
   void free_host(void* p, std::size_t bytes);
 
   /// A transient block of at least `bytes`, its first `bytes` zeroed on
-  /// `stream`. The smallest free block that holds it is reused (if at most
-  /// twice `bytes`), `stream` first waiting for its last use. Counted at the
-  /// block's capacity.
+  /// `stream`. The smallest free block that holds it is reused if it is no
+  /// larger than a new block for it would be, `stream` first waiting for its
+  /// last use. Counted at the block's capacity.
   std::byte* acquire(Category c, std::size_t bytes, Stream stream);
   /// Returns a transient block whose last use was queued on `last_use`: kept
   /// for reuse (counted as buffers) while the cache is under its limit,
@@ -96,8 +96,8 @@ class BufferPool {
   std::size_t cache_limit_ = 0;
   bool keep_working_set_ = false;
   std::size_t peak_in_use_ = 0;  // the most transient bytes in use at once
-  std::vector<std::size_t> block_sizes_;  // ascending
-  std::size_t block_size_for(std::size_t bytes) const;
+  std::map<Category, std::vector<std::size_t>> block_sizes_;  // each ascending
+  std::size_t block_size_for(Category c, std::size_t bytes) const;
   std::map<void*, std::size_t> capacity_;  // transient blocks in use: their capacity
   std::array<std::size_t, kCategories> current_{}, peak_{}, host_current_{}, host_peak_{};
   struct FreeBlock {

@@ -23,12 +23,12 @@ std::size_t largest_bucket_of(const FlatLayout& layout) {
 }
 // The transient blocks' sizes at their largest: a stage-3 unit, a bucket's
 // gradients, a shard's reduction scratch.
-std::vector<std::size_t> block_sizes_of(const FlatLayout& layout, const EngineOptions& o) {
+std::map<detail::Category, std::vector<std::size_t>> block_sizes_of(const FlatLayout& layout, const EngineOptions& o) {
   std::size_t largest_shard = 0;
   for (const Bucket& b : layout.buckets()) largest_shard = std::max(largest_shard, b.shard_size);
   const std::size_t largest = largest_bucket_of(layout);
-  return {largest * size_of(o.param_dtype), largest * size_of(o.effective_grad_dtype()),
-          largest_shard * size_of(o.effective_grad_dtype())};
+  const std::size_t g = size_of(o.effective_grad_dtype());
+  return {{detail::kParams, {largest * size_of(o.param_dtype)}}, {detail::kBuffers, {largest * g, largest_shard * g}}};
 }
 std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
   const std::size_t widest = std::max(size_of(o.param_dtype), size_of(o.effective_grad_dtype()));

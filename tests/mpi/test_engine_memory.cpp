@@ -2,6 +2,7 @@
 // gives clear errors on every rank (no hang, no crash); fp16 overflow skips.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -9,6 +10,7 @@
 
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/engine.hpp"
+#include "../engine_driver.hpp"
 #include "zero/engine/planner.hpp"
 
 using namespace zero;
@@ -95,9 +97,13 @@ TEST_CASE("per-rank memory equals the ZeRO formula at every stage") {
           CHECK(after.model_state() == m.model_state());
           if (stage == 3) {
             // While gathered, all units' full parameters were counted as params
-            // (one rank uses them where they lie in the shard: no more).
-            std::size_t all_units = 0;
-            for (const Bucket& b : engine.layout().buckets()) all_units += b.padded * p;
+            // (one rank uses them where they lie in the shard: no more), each
+            // at its block's capacity: the largest unit's size where that is
+            // at most twice its own (BufferPool: one block serves most units).
+            std::size_t largest = 0, all_units = 0;
+            for (const Bucket& b : engine.layout().buckets()) largest = std::max(largest, b.padded * p);
+            for (const Bucket& b : engine.layout().buckets())
+              all_units += largest <= 2 * b.padded * p ? largest : b.padded * p;
             CHECK(engine.peak_memory().params == padded / n * p + (n == 1 ? 0 : all_units));
           }
         }
@@ -252,40 +258,6 @@ TEST_CASE("fp16: an overflow on one rank skips the step everywhere and backs the
   }
 }
 
-namespace {
-
-// Drives the engine as a model does: forward enters every unit (stage 3),
-// backward enters them in reverse and writes every gradient, the engine's
-// unit schedule deciding the prefetches (a checkpointed unit's recompute is
-// a backward entry: the same schedule).
-void run_model_steps(Engine& engine, int steps) {
-  const DType gdt = engine.options().effective_grad_dtype();
-  for (int s = 0; s < steps; ++s) {
-    for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
-      if (engine.plan().gathers_units)
-        for (std::size_t u = 0; u < engine.unit_count(); ++u) {
-          engine.enter_unit(u, Pass::forward);
-          engine.release_unit(u);
-        }
-      for (std::size_t u = engine.unit_count(); u-- > 0;) {
-        engine.enter_unit(u, Pass::backward);
-        const Bucket& bucket = engine.layout().buckets()[u];
-        for (std::size_t p = bucket.first_param; p < bucket.first_param + bucket.param_count; ++p) {
-          void* g = engine.grad_data(p);
-          for (std::size_t k = 0; k < engine.params()[p].numel; ++k)
-            store_from_float(g, k, gdt, 1e-3f * static_cast<float>((k + p) % 7));
-          engine.grad_ready(p);
-        }
-        engine.release_unit(u);
-      }
-      engine.finish_micro_step();
-    }
-    engine.step();
-  }
-}
-
-}  // namespace
-
 TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for byte") {
   // The planner runs the real engine on a counting backend; here the engine
   // runs for real (host memory, MPI) and both must agree exactly: persistent
@@ -349,7 +321,11 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
 
     Engine engine(units, o, comm, *backend);
     const MemoryByCategory persistent = engine.memory();
-    run_model_steps(engine, 2);
+    const DType gdt = o.effective_grad_dtype();
+    testing::run_model_steps(engine, 2, [&](std::size_t p, void* g) {
+      for (std::size_t k = 0; k < engine.params()[p].numel; ++k)
+        store_from_float(g, k, gdt, 1e-3f * static_cast<float>((k + p) % 7));
+    });
     const TransientMemory used = engine.transient_memory();
 
     CHECK(predicted.padded_numel == engine.layout().padded_numel());

@@ -14,6 +14,7 @@
 #include "zero/comm/simulated_communicator.hpp"
 #include "zero/engine/counting_backend.hpp"
 #include "zero/engine/engine.hpp"
+#include "../engine_driver.hpp"
 
 namespace {
 
@@ -29,28 +30,6 @@ std::vector<std::vector<zero::ParamSpec>> varied_units() {
     units.push_back({{"u" + std::to_string(u), numel}});
   }
   return units;
-}
-
-void run_steps(Engine& engine, int steps) {
-  for (int s = 0; s < steps; ++s) {
-    for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
-      if (engine.plan().gathers_units)
-        for (std::size_t u = 0; u < engine.unit_count(); ++u) {
-          engine.enter_unit(u, Pass::forward);
-          engine.release_unit(u);
-        }
-      for (std::size_t u = engine.unit_count(); u-- > 0;) {
-        engine.enter_unit(u, Pass::backward);
-        for (std::size_t p : engine.unit_params(u)) {
-          engine.grad_data(p);
-          engine.grad_ready(p);
-        }
-        engine.release_unit(u);
-      }
-      engine.finish_micro_step();
-    }
-    engine.step();
-  }
 }
 
 struct Calls {
@@ -87,9 +66,9 @@ TEST_CASE("transient blocks: a step frees and waits at most once, whatever the n
     zero::CountingBackend backend;
     zero::SimulatedCommunicator comm(k.world);
     Engine engine(varied_units(), o, comm, backend);
-    run_steps(engine, 1);
+    zero::testing::run_model_steps(engine, 1);
     const Calls after_first = calls_of(backend);
-    run_steps(engine, 3);
+    zero::testing::run_model_steps(engine, 3);
     const Calls later = calls_of(backend);
     // 13 units and buckets a pass. Per step: the trim's wait for the two
     // streams (2 calls) and the offloaded step's wait for its copies (1),
@@ -109,9 +88,9 @@ TEST_CASE("transient blocks: a step frees and waits at most once, whatever the n
   zero::CountingBackend backend;
   zero::SimulatedCommunicator comm(2);
   Engine engine(varied_units(), o, comm, backend);
-  run_steps(engine, 1);
+  zero::testing::run_model_steps(engine, 1);
   const Calls after_first = calls_of(backend);
-  run_steps(engine, 1);
+  zero::testing::run_model_steps(engine, 1);
   CHECK(calls_of(backend).deallocations - after_first.deallocations >= 2 * varied_units().size());
   CHECK(calls_of(backend).synchronizations - after_first.synchronizations >= 4 * varied_units().size());
 }

@@ -22,8 +22,10 @@ std::size_t BufferPool::block_size_for(Category c, std::size_t bytes) const {
   // At most twice the request: a unit or bucket far below the largest keeps
   // its own size rather than hold a large block.
   const auto size = std::lower_bound(sizes.begin(), sizes.end(), bytes);
-  const bool cached = *size <= cache_limit_ || keep_working_set_;
-  return size == sizes.end() || !cached || *size > 2 * bytes ? bytes : *size;
+  if (size == sizes.end() || *size > 2 * bytes) return bytes;
+  // A block the cache could not keep would only be freed larger.
+  const bool cacheable = *size <= cache_limit_ || keep_working_set_;
+  return cacheable ? *size : bytes;
 }
 
 BufferPool::~BufferPool() {

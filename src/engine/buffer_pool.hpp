@@ -26,9 +26,11 @@ struct TransientUse {
 class BufferPool {
  public:
   /// cache_limit: free transient bytes kept for reuse at most; with
-  /// keep_working_set, more while the pool holds no more than the most it has
-  /// had in use at once (within a step the blocks stay for the next unit or
-  /// bucket, and the peak does not grow; trim() goes back to the limit).
+  /// keep_working_set, every block given back is kept until trim() at the
+  /// step's end goes back to the limit, except that a request no free block
+  /// holds, where a new block would take the pool past its peak in use, first
+  /// frees the (smaller) free blocks. A free mid-step waits for both streams;
+  /// the planner replays the same pool, so its peak includes what this holds.
   /// block_sizes:
   /// the sizes of the blocks the schedules ask for at their largest (a unit,
   /// a bucket's gradients, a shard's scratch). A new block is made as large
@@ -58,13 +60,13 @@ class BufferPool {
   void free_host(void* p, std::size_t bytes);
 
   /// A transient block of at least `bytes`, its first `bytes` zeroed on
-  /// `stream`. The smallest free block that holds it is reused if it is no
-  /// larger than a new block for it would be, `stream` first waiting for its
-  /// last use. Counted at the block's capacity.
+  /// `stream`. The smallest free block that holds it is reused, whatever its
+  /// size (that holds nothing more; a new block would), `stream` first
+  /// waiting for its last use. Counted at the block's capacity.
   std::byte* acquire(Category c, std::size_t bytes, Stream stream);
   /// Returns a transient block whose last use was queued on `last_use`: kept
-  /// for reuse (counted as buffers) while the cache is under its limit,
-  /// freed otherwise. The next acquire waits on the device for that last
+  /// for reuse (counted as buffers) while the cache is under its limit or
+  /// the pool keeps its working set, freed otherwise. The next acquire waits on the device for that last
   /// use, not the host: a stream-ordered pool, which a CUDA graph capture needs.
   void give_back(Category c, void* p, std::size_t bytes, Stream last_use);
 
@@ -96,6 +98,7 @@ class BufferPool {
   std::size_t cache_limit_ = 0;
   bool keep_working_set_ = false;
   std::size_t peak_in_use_ = 0;  // the most transient bytes in use at once
+  void free_blocks_smaller_than(std::size_t bytes);  // after one wait for both streams
   std::map<Category, std::vector<std::size_t>> block_sizes_;  // each ascending
   std::size_t block_size_for(Category c, std::size_t bytes) const;
   std::map<void*, std::size_t> capacity_;  // transient blocks in use: their capacity

@@ -156,7 +156,12 @@ Plan make_plan(const PlanInput& input) {
   plan.host_state = engine.host_memory();
   run_steps(engine, input, 1);
   comm.reset_traffic();  // the second step is the steady state
+  const std::size_t allocations = backend.allocations(), frees = backend.deallocations(),
+                    waits = backend.synchronizations();
   run_steps(engine, input, 1);
+  plan.engine.allocations_per_step = backend.allocations() - allocations;
+  plan.engine.frees_per_step = backend.deallocations() - frees;
+  plan.engine.waits_per_step = backend.synchronizations() - waits;
   const SimulatedTraffic& sent = comm.traffic();
   const int shard_size = engine.world_size();
   plan.traffic.shard_group_size = shard_size;
@@ -340,6 +345,9 @@ nlohmann::json plan_json(const Plan& p) {
   gpu["total_peak"] = p.gpu_peak();
   gpu["total_at_step_end"] = p.gpu_at_step_end();
   gpu["total_peak_lower"] = p.gpu_peak_lower();
+  gpu["engine_calls_per_step"] = {{"allocations", p.engine.allocations_per_step},
+                                  {"frees", p.engine.frees_per_step},
+                                  {"waits", p.engine.waits_per_step}};
   json host = categories_json(p.host_state);
   host["staging"] = p.host_state.buffers;
   host["total_per_rank"] = p.host_per_rank();
@@ -414,6 +422,8 @@ std::string Plan::table() const {
   line(out, "total, peak", gpu_peak());
   line(out, "total, between steps", gpu_at_step_end(), "(what cudaMemGetInfo shows after a step)");
   line(out, "total, peak at least", gpu_peak_lower(), "(the true peak lies between this and the peak)");
+  out << "  engine, steady step:         " << engine.allocations_per_step << " allocations, " << engine.frees_per_step
+      << " frees, " << engine.waits_per_step << " host waits for a stream (a free mid-step drains the GPU's queue)\n";
   out << "\nper host (" << ranks_per_host << (ranks_per_host == 1 ? " rank" : " ranks") << ", pinned memory)\n";
   if (host_state.params) line(out, "params (shards)", host_state.params * ranks_per_host);
   line(out, "master (fp32)", host_state.master * ranks_per_host);

@@ -87,6 +87,13 @@ bool Engine::unit_gathered(std::size_t unit) const {
   return !impl_->plan.gathers_units || impl_->unit_refs.at(unit) > 0;
 }
 
+std::size_t Engine::units_on_device() const {
+  std::size_t n = 0;
+  for (std::size_t u = 0; u < impl_->unit_buffer.size(); ++u)
+    n += impl_->unit_buffer[u] || (impl_->has_frozen() && impl_->frozen_unit_buffer[u]);
+  return n;
+}
+
 // ---------------------------------------------------------------- unit schedule
 
 std::vector<std::size_t> Engine::units_to_prefetch(std::size_t unit, Pass pass) const {

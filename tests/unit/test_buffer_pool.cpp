@@ -1,11 +1,14 @@
-// The engine's transient blocks in the steady state: within a step no block
-// is freed (and so nothing waits for the device) however many units or
-// buckets pass; between steps the pool trims back to its cache's limit with
-// one wait. On CUDA each free is a cudaFree after synchronizing both streams:
-// with stage 3's units and the gradient buckets in many sizes, a cache keyed
-// by exact size and limited to two blocks made that a host sync per unit or
-// bucket (the stage-3 offloaded run under 12 GiB spent as long in
-// forward+backward at prefetch depth 0, 1 and 3 on an H100).
+// The engine's transient blocks in the steady state: within a step a block
+// is freed only where a request finds no free block that holds it and a new
+// one would take the pool past its peak in use (then the smaller free blocks
+// go, after one wait); between steps the pool trims back to its cache's limit
+// with one wait. On CUDA each free is a cudaFree after synchronizing both
+// streams: a cache keyed by exact size and limited to two blocks made that a
+// host sync per unit or bucket (the stage-3 offloaded run under 12 GiB spent
+// as long in forward+backward at prefetch depth 0, 1 and 3 on an H100), and
+// the rule after it, which freed every block given back once the pool held
+// more than its peak in use, still made ~800 a step with SDXL's layer units
+// (Kineto trace, H100, 2026-12-05).
 #include <doctest/doctest.h>
 
 #include <string>
@@ -32,6 +35,19 @@ std::vector<std::vector<zero::ParamSpec>> varied_units() {
   return units;
 }
 
+// Units from 1 to ~300 times the smallest, like the SDXL UNet's blocks
+// (5.4e6 to 1.2e9 parameters) or its layers at a finer grain: a small unit's
+// block cannot serve a large unit. The rule before this one reused only
+// blocks no larger than a new one and freed once the pool held more than its
+// peak in use: after each miss, every block given back was freed (~800 frees
+// a step for SDXL's layers at stage 3 with everything offloaded).
+std::vector<std::vector<zero::ParamSpec>> wide_units() {
+  std::vector<std::vector<zero::ParamSpec>> units;
+  const std::size_t scale[] = {1, 40, 3, 300, 7, 120, 2, 60, 15, 250, 1, 90, 30};
+  for (int u = 0; u < 13; ++u) units.push_back({{"w" + std::to_string(u), 640 * scale[u] + 64 * u}});
+  return units;
+}
+
 struct Calls {
   std::size_t allocations, deallocations, synchronizations;
   bool operator==(const Calls&) const = default;
@@ -40,7 +56,7 @@ Calls calls_of(const zero::CountingBackend& b) { return {b.allocations(), b.deal
 
 }  // namespace
 
-TEST_CASE("transient blocks: a step frees and waits at most once, whatever the number of units and buckets") {
+TEST_CASE("transient blocks: a step waits a bounded number of times, whatever the number of units and buckets") {
   struct Case {
     const char* name;
     int world, stage;
@@ -55,9 +71,11 @@ TEST_CASE("transient blocks: a step frees and waits at most once, whatever the n
       {"stage 2, one rank, offloaded (streamed gradients)", 1, 2, true, false, 1},
       {"stage 2, 2 ranks, offloaded (scratch per bucket)", 2, 2, true, false, 1},
   };
+  for (const bool wide : {false, true})
   for (const Case& k : cases) {
     const std::string name = k.name;
     CAPTURE(name);
+    CAPTURE(wide);
     zero::EngineOptions o;
     o.stage = k.stage;
     o.buckets.alignment_elements = 64;
@@ -65,8 +83,10 @@ TEST_CASE("transient blocks: a step frees and waits at most once, whatever the n
     o.offload = {.optimizer = k.offload, .params = k.offload_params};
     zero::CountingBackend backend;
     zero::SimulatedCommunicator comm(k.world);
-    Engine engine(varied_units(), o, comm, backend);
-    zero::testing::run_model_steps(engine, 1);
+    Engine engine(wide ? wide_units() : varied_units(), o, comm, backend);
+    // Steady from the third step: the first makes the working set, the
+    // second may still trade a block of one size for another.
+    zero::testing::run_model_steps(engine, 2);
     const Calls after_first = calls_of(backend);
     zero::testing::run_model_steps(engine, 3);
     const Calls later = calls_of(backend);
@@ -74,10 +94,14 @@ TEST_CASE("transient blocks: a step frees and waits at most once, whatever the n
     // streams (2 calls) and the offloaded step's wait for its copies (1),
     // and as many frees as allocations: the trim's, the working set beyond
     // the cache's two blocks (with prefetch 3: five units and two buckets).
+    // Mid-step, a request no free block holds frees the smaller free blocks
+    // first where a new block would take the pool past its peak in use (one
+    // wait, 2 calls): at most twice a step here. The rule before freed block
+    // by block, 14-17 waits a step with the wide units.
     const std::size_t steps = 3;
-    CHECK(later.synchronizations - after_first.synchronizations <= steps * 3);
+    CHECK(later.synchronizations - after_first.synchronizations <= steps * (3 + 2 * 2));
     CHECK(later.allocations - after_first.allocations == later.deallocations - after_first.deallocations);
-    CHECK(later.deallocations - after_first.deallocations <= steps * 5);
+    CHECK(later.deallocations - after_first.deallocations <= steps * (wide ? 8 : 5));
   }
   // Without the block cache every block is freed when given back (waiting
   // for the device): what the steady state above avoids, and what this test

@@ -149,6 +149,10 @@ class Engine {
   void prefetch_unit(std::size_t unit);
   void release_unit(std::size_t unit);
   bool unit_gathered(std::size_t unit) const;
+  /// Stage 3: units whose full parameters are on the device now, gathered or
+  /// prefetched (at most 1 + buckets.prefetch_units once the schedule runs;
+  /// their blocks may be larger free blocks the pool reused). Else 0.
+  std::size_t units_on_device() const;
 
   // ------------------------------------------------------------ unit schedule
   // The order in which a model gathers units: the adapter (zero::torch) and

@@ -143,16 +143,18 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
   count_transient(c, -static_cast<std::ptrdiff_t>(bytes), static_cast<std::ptrdiff_t>(bytes));
 }
 
+void BufferPool::free_cached(const FreeBlock& block, std::size_t bytes) {
+  backend_.release_event(block.last_use);
+  backend_.deallocate(block.p, bytes);
+  count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
+  count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(bytes));
+}
+
 void BufferPool::free_blocks_smaller_than(std::size_t bytes) {
   backend_.synchronize(backend_.comm_stream());
   backend_.synchronize(backend_.compute_stream());
   for (auto size = free_blocks_.begin(); size != free_blocks_.end() && size->first < bytes; ++size) {
-    for (FreeBlock& block : size->second) {
-      backend_.release_event(block.last_use);
-      backend_.deallocate(block.p, size->first);
-      count(kBuffers, -static_cast<std::ptrdiff_t>(size->first));
-      count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(size->first));
-    }
+    for (const FreeBlock& block : size->second) free_cached(block, size->first);
     size->second.clear();
   }
 }
@@ -171,10 +173,7 @@ void BufferPool::trim() {
         budget -= bytes;
         return false;
       }
-      backend_.release_event(block.last_use);
-      backend_.deallocate(block.p, bytes);
-      count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
-      count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(bytes));
+      free_cached(block, bytes);
       return true;
     });
   }

@@ -108,6 +108,7 @@ class BufferPool {
     Event last_use = nullptr;  // recorded after the block's last use; null once waited for
   };
   std::map<std::size_t, std::vector<FreeBlock>> free_blocks_;  // reusable transient blocks by capacity
+  void free_cached(const FreeBlock& block, std::size_t bytes);  // its last use waited for by the caller
   bool capturing_ = false;
   std::map<void*, std::size_t> captured_;     // blocks acquired during the capture
   std::vector<std::pair<void*, std::size_t>> graph_blocks_;  // kept for a captured graph

@@ -12,8 +12,10 @@
 
 namespace zero::testing {
 
-inline void run_model_steps(Engine& engine, int steps,
-                            const std::function<void(std::size_t param, void* grad)>& write = {}) {
+/// Returns the last step's result.
+inline StepResult run_model_steps(Engine& engine, int steps,
+                                  const std::function<void(std::size_t param, void* grad)>& write = {}) {
+  StepResult last;
   for (int s = 0; s < steps; ++s) {
     for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
       if (engine.plan().gathers_units)
@@ -33,8 +35,9 @@ inline void run_model_steps(Engine& engine, int steps,
       }
       engine.finish_micro_step();
     }
-    engine.step();
+    last = engine.step();
   }
+  return last;
 }
 
 }  // namespace zero::testing

@@ -30,3 +30,12 @@ run_gpu_tests() {
   ctest --test-dir $BUILD "${select[@]}" --output-on-failure --timeout 500 > "$OUT_DIR/ctest.log" 2>&1
   grep -E "Test +#|tests passed|FAIL|max relative|images/s|Error|error" "$OUT_DIR/ctest.log" | head -60 | tee -a "$LOG"
 }
+
+# device_script_begin: what every run_*_device.sh does after sourcing this
+# file: build (phase build; TARGETS: only these), load the trainer helpers
+# (trainer_run.sh) and record the GPU in the log.
+device_script_begin() {
+  if has build; then build_targets ${TARGETS:-}; fi
+  source bench/gpu/trainer_run.sh
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+}

@@ -20,9 +20,7 @@
 set -uo pipefail
 NAME=s13 DEFAULT_PHASES="build calibrate tests"
 source bench/gpu/device_env.sh
-if has build; then build_targets ${TARGETS:-}; fi
-source bench/gpu/trainer_run.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+device_script_begin
 if has calibrate; then
   for batch in 1 8; do
     run_trainer "sdxl-calib-stage0-b$batch-layers" 240 --stage 0 --batch_size "$batch" --units layers

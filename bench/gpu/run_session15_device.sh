@@ -20,9 +20,7 @@
 set -uo pipefail
 NAME=s15 DEFAULT_PHASES="build graphtest fit calibrate"
 source bench/gpu/device_env.sh
-if has build; then build_targets ${TARGETS:-}; fi
-source bench/gpu/trainer_run.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+device_script_begin
 if has graphtest; then run_gpu_tests "gpu.sdxl.train_graph"; cp "$OUT_DIR/ctest.log" "$OUT_DIR/ctest-train-graph.log"; fi
 if has fit; then
   gb8=/tmp/sdxl-1024-gb8.toml

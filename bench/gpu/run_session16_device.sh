@@ -21,9 +21,7 @@
 set -uo pipefail
 NAME=s16 DEFAULT_PHASES="build tests"
 source bench/gpu/device_env.sh
-if has build; then build_targets ${TARGETS:-}; fi
-source bench/gpu/trainer_run.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+device_script_begin
 if has tests; then run_gpu_tests all; fi
 if has offload; then
   gb8=/tmp/sdxl-1024-gb8.toml

@@ -16,9 +16,7 @@
 set -uo pipefail
 NAME=s17 DEFAULT_PHASES="omp"
 source bench/gpu/device_env.sh
-if has build; then build_targets ${TARGETS:-}; fi
-source bench/gpu/trainer_run.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+device_script_begin
 # engine: the GPU engine tests at 1 and 2 ranks (the streamed downloads
 # without host waits: the copies' events waited for on the host worker).
 if has engine; then run_gpu_tests 'gpu\.engine\.np[12]$'; fi

@@ -18,9 +18,7 @@
 set -uo pipefail
 NAME=s18 DEFAULT_PHASES="prefetch"
 source bench/gpu/device_env.sh
-if has build; then build_targets ${TARGETS:-}; fi
-source bench/gpu/trainer_run.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+device_script_begin
 if has prefetch; then
   capped=(--max_gpu_memory 12GiB --stage 3 --offload_optimizer true --offload_params true
           --offload_delayed_update true --batch_size 2 --accumulation 4)

@@ -64,7 +64,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "sdxl-*.jsonl"))):
            "mfu": round(ips * 20.62e12 / 989e12, 4),
            "between_steps_peak_gib": round(max(r["mem_max_bytes"] for r in recs) / 2**30, 2),
            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
-    for key in sorted({k for r in tail for k in r if k.startswith("timing/")}):
+    for key in sorted({k for r in tail for k in r if k.startswith(("timing/", "engine/"))}):
         row[key] = round(sum(r.get(key, 0) for r in tail) / len(tail), 4)
     smi = os.path.join(sys.argv[1], name + ".smi")
     if os.path.exists(smi):

@@ -44,6 +44,11 @@ void record_step(const TrainConfig& cfg, MetricsSinks& sinks, const RunPosition&
   // taken out of forward+backward and the optimizer (examples/sdxl/README.md,
   // "Load imbalance").
   for (const auto& [key, value] : metrics::imbalance_scalars(m.imbalance)) record.extra[key] = value;
+  // The engine's transient blocks this step (rank 0): a handful in the steady
+  // state; hundreds mean host waits in the middle of the passes.
+  record.extra["engine/block_allocations"] = static_cast<double>(m.result.block_allocations);
+  record.extra["engine/block_frees"] = static_cast<double>(m.result.block_frees);
+  record.extra["engine/block_waits"] = static_cast<double>(m.result.block_waits);
   if (cfg.offload_optimizer) {
     record.extra["timing/cpu_grad_stats_s"] = m.result.cpu_grad_stats_seconds;
     record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;

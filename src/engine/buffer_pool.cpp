@@ -108,6 +108,7 @@ std::byte* BufferPool::acquire(Category c, std::size_t bytes, Stream stream) {
     if (keep_working_set_ && !capturing_ && cached_ > 0 && holding + capacity > peak_in_use_)
       free_blocks_smaller_than(bytes);
     p = static_cast<std::byte*>(backend_.allocate(capacity));
+    ++calls_.allocations;
   }
   capacity_[p] = capacity;
   if (capturing_) captured_[p] = capacity;
@@ -133,9 +134,9 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
   if (!keep && !capturing_) {
     count_transient(c, -static_cast<std::ptrdiff_t>(bytes), 0);
     // The device path orders frees after the work queued on these streams.
-    backend_.synchronize(backend_.comm_stream());
-    backend_.synchronize(backend_.compute_stream());
+    wait_for_streams();
     backend_.deallocate(p, bytes);
+    ++calls_.frees;
     return;
   }
   count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
@@ -143,16 +144,22 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
   count_transient(c, -static_cast<std::ptrdiff_t>(bytes), static_cast<std::ptrdiff_t>(bytes));
 }
 
+void BufferPool::wait_for_streams() {
+  backend_.synchronize(backend_.comm_stream());
+  backend_.synchronize(backend_.compute_stream());
+  ++calls_.waits;
+}
+
 void BufferPool::free_cached(const FreeBlock& block, std::size_t bytes) {
   backend_.release_event(block.last_use);
   backend_.deallocate(block.p, bytes);
+  ++calls_.frees;
   count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
   count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(bytes));
 }
 
 void BufferPool::free_blocks_smaller_than(std::size_t bytes) {
-  backend_.synchronize(backend_.comm_stream());
-  backend_.synchronize(backend_.compute_stream());
+  wait_for_streams();
   for (auto size = free_blocks_.begin(); size != free_blocks_.end() && size->first < bytes; ++size) {
     for (const FreeBlock& block : size->second) free_cached(block, size->first);
     size->second.clear();
@@ -161,8 +168,7 @@ void BufferPool::free_blocks_smaller_than(std::size_t bytes) {
 
 void BufferPool::trim() {
   if (capturing_ || cached_ <= cache_limit_) return;
-  backend_.synchronize(backend_.comm_stream());
-  backend_.synchronize(backend_.compute_stream());
+  wait_for_streams();
   // Largest first, each kept while it fits what is left of the limit: the
   // cache stays as full as the limit allows (the next step draws on it).
   std::size_t budget = cache_limit_;

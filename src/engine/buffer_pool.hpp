@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <vector>
 
@@ -87,6 +88,12 @@ class BufferPool {
   std::size_t host_current(Category c) const { return host_current_[c]; }
   TransientUse transient_now() const { return {transient_units_, transient_buffers_, cached_ + graph_bytes_}; }
   TransientUse transient_peak() const { return transient_peak_; }
+  /// Backend calls for transient blocks so far: allocations, frees, and
+  /// host waits for a stream before frees.
+  struct Calls {
+    std::uint64_t allocations = 0, frees = 0, waits = 0;
+  };
+  Calls calls() const { return calls_; }
 
  private:
   void* allocate_bytes(Category c, std::size_t bytes);
@@ -116,6 +123,8 @@ class BufferPool {
   std::size_t cached_ = 0;
   std::size_t transient_units_ = 0, transient_buffers_ = 0;
   TransientUse transient_peak_;
+  Calls calls_;
+  void wait_for_streams();  // before a free: both streams, counted
 };
 
 }  // namespace zero::detail

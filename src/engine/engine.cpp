@@ -517,6 +517,11 @@ StepResult Engine::step() {
   m.pool.trim();  // the blocks the step kept for reuse beyond the cache's limit
   result.host_to_device_bytes = std::exchange(m.bytes_to_device, 0);
   result.device_to_host_bytes = std::exchange(m.bytes_to_host, 0);
+  const detail::BufferPool::Calls calls = m.pool.calls();
+  result.block_allocations = calls.allocations - m.pool_calls_at_step.allocations;
+  result.block_frees = calls.frees - m.pool_calls_at_step.frees;
+  result.block_waits = calls.waits - m.pool_calls_at_step.waits;
+  m.pool_calls_at_step = calls;
   if (!proceed && options_.max_consecutive_nonfinite > 0 &&
       consecutive_nonfinite_ >= options_.max_consecutive_nonfinite) {
     ZERO_THROW(Error, consecutive_nonfinite_, " steps in a row had non-finite gradients (limit ",

@@ -141,6 +141,7 @@ struct Engine::Impl {
     bytes_to_host += bytes;
   }
   std::uint64_t bytes_to_device = 0, bytes_to_host = 0;  // since the last step() returned
+  detail::BufferPool::Calls pool_calls_at_step;  // the pool's calls when the last step() returned
   /// Waits for and releases download_events (the worker is idle or gone).
   void release_download_events();
   /// Zeroes the gradient buffers for the next step.

@@ -102,6 +102,15 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
     CHECK(later.synchronizations - after_first.synchronizations <= steps * (3 + 2 * 2));
     CHECK(later.allocations - after_first.allocations == later.deallocations - after_first.deallocations);
     CHECK(later.deallocations - after_first.deallocations <= steps * (wide ? 8 : 5));
+    // What step() reports of them (the trainer's engine/block_* metrics):
+    // exactly the backend's calls in one step, a wait being one for both
+    // streams.
+    const zero::StepResult r = zero::testing::run_model_steps(engine, 1);
+    const Calls one = calls_of(backend);
+    CHECK(r.block_allocations == one.allocations - later.allocations);
+    CHECK(r.block_frees == one.deallocations - later.deallocations);
+    CHECK(2 * r.block_waits <= one.synchronizations - later.synchronizations);
+    CHECK(2 * r.block_waits + 1 >= one.synchronizations - later.synchronizations);
   }
   // Without the block cache every block is freed when given back (waiting
   // for the device): what the steady state above avoids, and what this test
@@ -114,7 +123,8 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
   Engine engine(varied_units(), o, comm, backend);
   zero::testing::run_model_steps(engine, 1);
   const Calls after_first = calls_of(backend);
-  zero::testing::run_model_steps(engine, 1);
+  const zero::StepResult r = zero::testing::run_model_steps(engine, 1);
   CHECK(calls_of(backend).deallocations - after_first.deallocations >= 2 * varied_units().size());
+  CHECK(r.block_frees == calls_of(backend).deallocations - after_first.deallocations);
   CHECK(calls_of(backend).synchronizations - after_first.synchronizations >= 4 * varied_units().size());
 }

@@ -86,6 +86,15 @@ struct StepResult {
   /// joined in this step() go up here. 0 without offload.
   std::uint64_t host_to_device_bytes = 0;
   std::uint64_t device_to_host_bytes = 0;
+  /// The engine's transient blocks (gathered units, gradient buckets,
+  /// scratch) from the last step() to this one's end: new blocks made
+  /// (cudaMalloc on a GPU), blocks freed (cudaFree, each batch after a host
+  /// wait for both streams) and those waits. In the steady state a handful a
+  /// step (the trim at its end); hundreds mean the launch queue drains in
+  /// the middle of the passes (bench/results/session19-h100.md).
+  std::uint64_t block_allocations = 0;
+  std::uint64_t block_frees = 0;
+  std::uint64_t block_waits = 0;
 };
 
 class Engine {

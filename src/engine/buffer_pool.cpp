@@ -135,8 +135,7 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
     count_transient(c, -static_cast<std::ptrdiff_t>(bytes), 0);
     // The device path orders frees after the work queued on these streams.
     wait_for_streams();
-    backend_.deallocate(p, bytes);
-    ++calls_.frees;
+    deallocate_block(p, bytes);
     return;
   }
   count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
@@ -150,10 +149,14 @@ void BufferPool::wait_for_streams() {
   ++calls_.waits;
 }
 
+void BufferPool::deallocate_block(void* p, std::size_t bytes) {
+  backend_.deallocate(p, bytes);
+  ++calls_.frees;
+}
+
 void BufferPool::free_cached(const FreeBlock& block, std::size_t bytes) {
   backend_.release_event(block.last_use);
-  backend_.deallocate(block.p, bytes);
-  ++calls_.frees;
+  deallocate_block(block.p, bytes);
   count(kBuffers, -static_cast<std::ptrdiff_t>(bytes));
   count_transient(kBuffers, 0, -static_cast<std::ptrdiff_t>(bytes));
 }

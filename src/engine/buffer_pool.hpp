@@ -125,6 +125,7 @@ class BufferPool {
   TransientUse transient_peak_;
   Calls calls_;
   void wait_for_streams();  // before a free: both streams, counted
+  void deallocate_block(void* p, std::size_t bytes);  // a transient block, counted
 };
 
 }  // namespace zero::detail

@@ -95,8 +95,10 @@ std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
   return groups;
 }
 
-void run_steps(Engine& engine, const PlanInput& in, int steps) {
+// Returns the last step's result.
+StepResult run_steps(Engine& engine, const PlanInput& in, int steps) {
   const std::size_t units = engine.unit_count();
+  StepResult last;
   for (int s = 0; s < steps; ++s) {
     for (int micro = 0; micro < in.engine.accumulation_steps; ++micro) {
       if (engine.plan().gathers_units) {
@@ -116,8 +118,9 @@ void run_steps(Engine& engine, const PlanInput& in, int steps) {
       }
       engine.finish_micro_step();
     }
-    engine.step();
+    last = engine.step();
   }
+  return last;
 }
 
 std::string gib_text(std::size_t bytes) { return format_bytes(bytes); }
@@ -156,12 +159,11 @@ Plan make_plan(const PlanInput& input) {
   plan.host_state = engine.host_memory();
   run_steps(engine, input, 1);
   comm.reset_traffic();  // the second step is the steady state
-  const std::size_t allocations = backend.allocations(), frees = backend.deallocations(),
-                    waits = backend.synchronizations();
-  run_steps(engine, input, 1);
-  plan.engine.allocations_per_step = backend.allocations() - allocations;
-  plan.engine.frees_per_step = backend.deallocations() - frees;
-  plan.engine.waits_per_step = backend.synchronizations() - waits;
+  // The pool's calls as step() reports them: what the trainer logs.
+  const StepResult steady = run_steps(engine, input, 1);
+  plan.engine.allocations_per_step = steady.block_allocations;
+  plan.engine.frees_per_step = steady.block_frees;
+  plan.engine.waits_per_step = steady.block_waits;
   const SimulatedTraffic& sent = comm.traffic();
   const int shard_size = engine.world_size();
   plan.traffic.shard_group_size = shard_size;
@@ -423,7 +425,8 @@ std::string Plan::table() const {
   line(out, "total, between steps", gpu_at_step_end(), "(what cudaMemGetInfo shows after a step)");
   line(out, "total, peak at least", gpu_peak_lower(), "(the true peak lies between this and the peak)");
   out << "  engine, steady step:         " << engine.allocations_per_step << " allocations, " << engine.frees_per_step
-      << " frees, " << engine.waits_per_step << " host waits for a stream (a free mid-step drains the GPU's queue)\n";
+      << " frees, " << engine.waits_per_step
+      << " host waits for both streams (metrics.jsonl's engine/block_*; a free mid-step drains the GPU's queue)\n";
   out << "\nper host (" << ranks_per_host << (ranks_per_host == 1 ? " rank" : " ranks") << ", pinned memory)\n";
   if (host_state.params) line(out, "params (shards)", host_state.params * ranks_per_host);
   line(out, "master (fp32)", host_state.master * ranks_per_host);

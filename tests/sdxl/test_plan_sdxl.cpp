@@ -204,8 +204,10 @@ TEST_CASE("plan: SDXL's layer units keep the pool's frees and waits out of the p
   // The capped run of bench/results/session19-h100.md (stage 3, everything
   // offloaded, delayed update, 2 x 4, checkpointing) traced 791 cudaFree
   // and 1551 stream waits a step with session 18's pool; its replay here
-  // counted 802 and 1548. Per step now: the trim's wait, the offloaded
-  // step's, and at most two misses that free the smaller free blocks.
+  // counted 802 frees and 1548 stream synchronizations (the backend's
+  // calls; the plan now counts waits for both streams, as step() reports
+  // them). Per step now: the trim's wait and at most two misses that free
+  // the smaller free blocks.
   struct Case {
     const char* name;
     int stage, world, batch, accumulation, prefetch;

@@ -159,10 +159,11 @@ struct EngineBuffers {
   /// Held after step() returns (the cache plus scratch): what a
   /// cudaMemGetInfo sample between steps sees.
   std::size_t at_step_end = 0;
-  /// The steady step's (the second's) device allocations, frees and host
-  /// waits for a stream, as the engine made them: on CUDA each free is a
-  /// cudaFree after a wait for both streams, which drains the queue of
-  /// launched work. A pool that keeps its working set makes none mid-step.
+  /// The steady step's (the second's) transient-block allocations, frees and
+  /// host waits for both streams before frees, as step() reports them
+  /// (StepResult::block_*, the trainer's engine/block_* metrics): on CUDA
+  /// each wait drains the queue of launched work, and each free is a
+  /// cudaFree. A pool that keeps its working set makes none mid-step.
   std::size_t allocations_per_step = 0, frees_per_step = 0, waits_per_step = 0;
 };
 

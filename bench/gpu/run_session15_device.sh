@@ -23,8 +23,7 @@ source bench/gpu/device_env.sh
 device_script_begin
 if has graphtest; then run_gpu_tests "gpu.sdxl.train_graph"; cp "$OUT_DIR/ctest.log" "$OUT_DIR/ctest-train-graph.log"; fi
 if has fit; then
-  gb8=/tmp/sdxl-1024-gb8.toml
-  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  gb8=$(batch8_config) || exit 1
   grep -q '^batch_size = 8$' "$gb8" || say "could not set batch_size = 8 in $gb8"
   CONFIG=$gb8 run_trainer "sdxl-fit-12GiB-gb8" 300 --fit 12GiB
   CONFIG=$gb8 run_trainer "sdxl-fit-8GiB-gb8" 300 --fit 8GiB

@@ -24,8 +24,7 @@ source bench/gpu/device_env.sh
 device_script_begin
 if has tests; then run_gpu_tests all; fi
 if has offload; then
-  gb8=/tmp/sdxl-1024-gb8.toml
-  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  gb8=$(batch8_config) || exit 1
   grep -q '^batch_size = 8$' "$gb8" || say "could not set batch_size = 8 in $gb8"
   CONFIG=$gb8 run_trainer "sdxl-offload-device-stage2-8x1" 240 --stage 2
   for every in 1 4; do

@@ -23,8 +23,7 @@ if has engine; then run_gpu_tests 'gpu\.engine\.np[12]$'; fi
 # RUNS picks which trainer runs of the omp phase (default: all, in order).
 want() { [[ " ${RUNS:-ondevice default update12-grad3 passive update8-grad2} " == *" $1 "* ]]; }
 if has omp; then
-  gb8=/tmp/sdxl-1024-gb8.toml
-  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  gb8=$(batch8_config) || exit 1
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   if want ondevice; then CONFIG=$gb8 run_trainer "sdxl-omp-ondevice" 150 --stage 2; fi
   if want default; then CONFIG=$gb8 run_trainer "sdxl-omp-default" 150 "${delayed[@]}"; fi

@@ -27,15 +27,13 @@ if has prefetch; then
   done
 fi
 if has threads; then
-  gb8=/tmp/sdxl-1024-gb8.toml
-  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  gb8=$(batch8_config) || exit 1
   delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)
   CONFIG=$gb8 run_trainer "sdxl-threads-default" 150 "${delayed[@]}"
   CONFIG=$gb8 run_trainer "sdxl-threads-update12-grad3" 150 "${delayed[@]}" --offload_update_threads 12 --offload_gradient_threads 3
 fi
 if has pool; then
-  gb8=/tmp/sdxl-1024-gb8.toml
-  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+  gb8=$(batch8_config) || exit 1
   CONFIG=$gb8 run_trainer "sdxl-pool-ondevice-stage2-8x1" 150 --stage 2
   CONFIG=$gb8 run_trainer "sdxl-pool-offload-delayed-stage2-8x1" 150 --stage 2 --offload_optimizer true --offload_delayed_update true
   for depth in 1 3; do

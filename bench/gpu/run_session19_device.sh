@@ -18,8 +18,7 @@ NAME=s19 DEFAULT_PHASES="pool"
 source bench/gpu/device_env.sh
 device_script_begin
 if has engine; then run_gpu_tests 'gpu\.engine\.np[12]$'; fi
-gb8=/tmp/sdxl-1024-gb8.toml
-sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$gb8"
+gb8=$(batch8_config) || exit 1
 capped=(--max_gpu_memory 12GiB --stage 3 --offload_optimizer true --offload_params true
         --offload_delayed_update true --batch_size 2 --accumulation 4)
 delayed=(--stage 2 --offload_optimizer true --offload_delayed_update true)

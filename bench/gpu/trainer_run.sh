@@ -31,6 +31,19 @@ PY
   cp "/tmp/$name/metrics.jsonl" "$OUT_DIR/$name.jsonl" 2>/dev/null
 }
 
+# batch8_config: sdxl-1024.toml (EMA, checkpointing) at batch_size = 8, its
+# other settings kept, written to /tmp; prints the path. Fails loudly when
+# the config no longer has the line it rewrites.
+batch8_config() {
+  local out=/tmp/sdxl-1024-gb8.toml
+  if ! grep -q '^batch_size = 4$' examples/sdxl/configs/sdxl-1024.toml; then
+    echo "batch8_config: examples/sdxl/configs/sdxl-1024.toml has no 'batch_size = 4' line to rewrite" >&2
+    return 1
+  fi
+  sed 's/^batch_size = 4$/batch_size = 8/' examples/sdxl/configs/sdxl-1024.toml > "$out"
+  echo "$out"
+}
+
 # run_gathers_phase: stage 3 without the host wait per unit (2026-12-05):
 # stage 3 eager at batch 1 and 8 against stage 2 (measured +41% and +2.5%
 # with the wait), and stage 3 with offload_params under 12 GiB at 2 x 4 (2.81

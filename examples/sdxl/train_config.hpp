@@ -49,6 +49,9 @@ struct TrainConfig {
   double min_snr_gamma = 0;            // 0: off
   double noise_offset = 0;
   bool activation_checkpointing = false;
+  /// With activation_checkpointing: recompute only this many units, those
+  /// that free the most activation memory per recompute FLOP (0: every unit).
+  std::int64_t checkpoint_units = 0;
   std::int64_t seed = 1234;
   // [optimizer]
   std::string optimizer = "adamw";     // adamw, lion, sgd

@@ -33,6 +33,9 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"train", "min_snr_gamma", &c.min_snr_gamma, "min-SNR loss weighting gamma (0: off)"},
       {"train", "noise_offset", &c.noise_offset, "noise offset (0: off)"},
       {"train", "activation_checkpointing", &c.activation_checkpointing, "recompute each UNet block in backward"},
+      {"train", "checkpoint_units", &c.checkpoint_units,
+       "with activation_checkpointing: recompute only this many units, those that free the most activation memory "
+       "per recompute FLOP (partial checkpointing; [device] fit picks the fewest that fit); 0: every unit"},
       {"train", "seed", &c.seed, "seed of data order, noise and timesteps"},
       {"optimizer", "optimizer", &c.optimizer, "adamw, lion or sgd"},
       {"optimizer", "lr", &c.lr, "peak learning rate"},

@@ -118,6 +118,10 @@ void TrainConfig::validate() const {
   ZERO_CHECK(shard_group_size >= 0 && shard_group_size <= (1 << 20),
              "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",
              shard_group_size);
+  ZERO_CHECK(checkpoint_units >= 0, "checkpoint_units ([train]) must be >= 0 (0: every unit), got ", checkpoint_units);
+  ZERO_CHECK(checkpoint_units == 0 || activation_checkpointing, "checkpoint_units = ", checkpoint_units,
+             " ([train]) chooses the units activation checkpointing recomputes: set activation_checkpointing = true, "
+             "or checkpoint_units = 0");
   // The engine's buckets are whole bytes: below one byte the engine would name its own option, not this one.
   ZERO_CHECK(prefetch_units >= 0 && prefetch_units <= 64,
              "prefetch_units ([zero]) must be in [0, 64] (0: gather each unit when entered), got ", prefetch_units);

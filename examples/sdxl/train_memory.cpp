@@ -20,6 +20,7 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
   if (!c.offload_optimizer) s += " offload_optimizer = true (master, optimizer state and EMA to host memory; stages 1-3),";
   if (!c.offload_params) s += " stage = 3 with offload_params = true (parameter shards to host memory too),";
   if (!c.activation_checkpointing) s += " activation_checkpointing = true,";
+  else if (c.checkpoint_units > 0) s += " checkpoint_units = 0 (recompute every unit),";
   if (c.batch_size > 1) s += " a smaller batch_size with accumulation,";
   s += s.empty() ? " more GPUs" : " or more GPUs";
   return s;
@@ -34,7 +35,7 @@ zero::plan::PlanInput plan_input(const TrainConfig& c, const UNetConfig& ucfg, c
   in.engine = options;
   in.world_size = world;
   sdxl::calibration::apply(in, static_cast<std::size_t>(count_parameters(ucfg)));
-  in.units = sdxl::plan_units(ucfg, unit_granularity_from(c.units, "[zero] units"));
+  in.units = sdxl::plan_units(ucfg, unit_granularity_from(c.units, "[zero] units"), c.latent_size);
   // Frozen tensors count as parameters only: each unit's frozen sizes (from
   // the model) are moved out of the planner's list of the unit's tensors.
   ZERO_CHECK(frozen_sizes_by_unit.empty() || frozen_sizes_by_unit.size() == in.units.size(),
@@ -55,6 +56,7 @@ zero::plan::PlanInput plan_input(const TrainConfig& c, const UNetConfig& ucfg, c
   in.gpus_per_host = ranks_per_host;
   in.batch = static_cast<int>(c.batch_size);
   in.activation_checkpointing = c.activation_checkpointing;
+  in.checkpoint_units = static_cast<std::size_t>(c.checkpoint_units);
   return in;
 }
 
@@ -97,6 +99,8 @@ const std::vector<FitSetting>& fit_settings() {
        [](TrainConfig& t, const TrainConfig& f) { t.offload_accumulate_on_host = f.offload_accumulate_on_host; }},
       {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
        [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
+      {"checkpoint_units", [](const TrainConfig& c) { return std::to_string(c.checkpoint_units); },
+       [](TrainConfig& t, const TrainConfig& f) { t.checkpoint_units = f.checkpoint_units; }},
       {"prefetch_units", [](const TrainConfig& c) { return std::to_string(c.prefetch_units); },
        [](TrainConfig& t, const TrainConfig& f) { t.prefetch_units = f.prefetch_units; }},
   };
@@ -118,6 +122,7 @@ TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) 
   t.offload_delayed_update = p.input.engine.offload.delayed_update;
   t.offload_accumulate_on_host = p.input.engine.offload.accumulate_on_host;
   t.activation_checkpointing = p.input.activation_checkpointing;
+  t.checkpoint_units = static_cast<std::int64_t>(p.input.checkpoint_units);
   t.prefetch_units = p.input.engine.buckets.prefetch_units;
   return t;
 }
@@ -185,6 +190,7 @@ FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput
   in.engine.offload.params = kept.offload_params;
   in.engine.offload.delayed_update = kept.offload_delayed_update;
   in.activation_checkpointing = kept.activation_checkpointing;
+  in.checkpoint_units = static_cast<std::size_t>(kept.checkpoint_units);
   in.engine.buckets.prefetch_units = static_cast<int>(kept.prefetch_units);
   FitDecision d{zero::plan::make_plan(in), ""};
   const std::size_t cap = zero::parse_bytes(c.fit, "fit");

@@ -174,6 +174,8 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicato
   for (const zero::ParamSpec& p : m.sharded->engine().params()) m.parameter_names.push_back(p.name);
   if (cap > 0 && run_plan) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
   m.unet->set_activation_checkpointing(cfg.activation_checkpointing);
+  m.unet->set_recomputed_units(recomputed_unit_mask(m.config, unit_granularity_from(cfg.units, "[zero] units"),
+                                                    cfg.latent_size, cfg.checkpoint_units));
   m.unet->set_channels_last(cfg.channels_last);
   m.unet->set_unit_runner([sharded = m.sharded.get()](std::size_t unit, const variable_list& inputs,
                                                       const UNet2DConditionModelImpl::UnitBody& body, bool recompute) {

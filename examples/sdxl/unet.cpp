@@ -412,6 +412,16 @@ Tensor UNet2DConditionModelImpl::time_embedding(const Tensor& sample, const Tens
   return emb;
 }
 
+void UNet2DConditionModelImpl::set_recomputed_units(std::vector<bool> recomputed) {
+  const std::size_t count = units().size();
+  ZERO_CHECK(recomputed.empty() || recomputed.size() == count, "UNet: the recomputed units are given for ",
+             recomputed.size(), " units, the model has ", count, " (", unit_granularity_ == UnitGranularity::layers
+                                                                          ? "layers"
+                                                                          : "blocks",
+             ")");
+  recomputed_units_ = std::move(recomputed);
+}
+
 Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& timestep,
                                          const Tensor& encoder_hidden_states, const Tensor& text_embeds,
                                          const Tensor& time_ids) {
@@ -440,6 +450,7 @@ Tensor UNet2DConditionModelImpl::forward(const Tensor& sample_in, const Tensor& 
   std::size_t unit = 0;
   auto run = [&](bool checkpointed, const variable_list& inputs, const UnitBody& body) -> variable_list {
     const std::size_t index = unit++;
+    if (checkpointed && !recomputed_units_.empty()) checkpointed = recomputed_units_.at(index);
     if (unit_runner_) return unit_runner_(index, inputs, body, checkpointed);
     if (checkpointed) return checkpoint(body, inputs);
     return body(inputs);

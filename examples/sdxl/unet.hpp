@@ -96,6 +96,12 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
   /// has no torch.utils.checkpoint; see activation_checkpoint.hpp). Gradients are unchanged.
   void set_activation_checkpointing(bool enabled) { activation_checkpointing_ = enabled; }
   bool activation_checkpointing() const { return activation_checkpointing_; }
+  /// Partial checkpointing: under activation checkpointing, only the units
+  /// whose entry is true (indexed as units()) are recomputed; the others keep
+  /// their activations. Empty (the default): every unit but embed and head.
+  /// zero::InvalidArgument unless the size is units().size() or 0.
+  void set_recomputed_units(std::vector<bool> recomputed);
+  const std::vector<bool>& recomputed_units() const { return recomputed_units_; }
   /// Runs the convolutional path in channels-last (NHWC) memory order: cuDNN
   /// then needs no NCHW<->NHWC transposes around each convolution, and the
   /// GroupNorms (+SiLU) run a fused NHWC kernel on CUDA. The output is
@@ -139,6 +145,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
   UNetConfig config_;
   bool activation_checkpointing_ = false;
+  std::vector<bool> recomputed_units_;  // empty: every unit (checkpointing on)
   UnitGranularity unit_granularity_ = UnitGranularity::layers;
   bool channels_last_ = false;
   UnitRunner unit_runner_;

@@ -101,6 +101,7 @@ struct Options {
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
   std::string units = "layers";
   int shard_group_size = 0, global_batch = 0;
+  std::size_t checkpoint_units = 0;
   int world_size = 1, gpus_per_host = 8, stage = 2, batch = 1, accumulation = 1, in_flight = 2, ema_every = 1, prefetch_units = 1;
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
@@ -154,6 +155,10 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--accumulation-mode", o.accumulation_mode, "each (reduce every micro-step) or boundary")
       ->capture_default_str()->check(CLI::IsMember({"each", "boundary"}));
   app.add_flag("--checkpointing", o.checkpointing, "activation checkpointing (recompute each block in backward)");
+  app.add_option("--checkpoint-units,--checkpoint_units", o.checkpoint_units,
+                 "with --checkpointing and --unet-config: recompute only this many units, those that free the most "
+                 "activation memory per recompute FLOP (the trainer's checkpoint_units; 0: every unit)")
+      ->capture_default_str();
   app.add_option("--latent-size", o.latent_size, "latent height = width (128 = 1024x1024 pixels)")
       ->capture_default_str()->check(CLI::Range(std::int64_t{1}, kMaxLatentSize));
   app.add_option("--bucket-mib", o.bucket_mib, "bucket size with --params")->capture_default_str();
@@ -181,7 +186,7 @@ void define_options(CLI::App& app, Options& o) {
 void describe_model(const Options& o, zero::plan::PlanInput& in) {
   if (!o.unet_config.empty()) {
     const sdxl::UNetConfig config = unet_config_of(o.unet_config);
-    in.units = sdxl::plan_units(config, sdxl::unit_granularity_from(o.units, "--units"));
+    in.units = sdxl::plan_units(config, sdxl::unit_granularity_from(o.units, "--units"), o.latent_size);
     in.model_name = o.unet_config;
     in.activations = sdxl::plan_activations(config, o.latent_size);
   } else {
@@ -243,6 +248,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.fp32_accumulate_reductions = o.fp32_accumulate;
   in.batch = o.batch;
   in.activation_checkpointing = o.checkpointing;
+  in.checkpoint_units = o.checkpoint_units;
   return in;
 }
 

@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "zero/comm/simulated_communicator.hpp"
 #include "zero/core/layout.hpp"
@@ -20,9 +21,10 @@ namespace zero::plan {
 
 using nlohmann::json;
 
-std::size_t ActivationModel::bytes(int batch, bool checkpointing, std::size_t dtype_bytes) const {
-  const double fixed = checkpointing ? fixed_bytes_checkpointed : fixed_bytes_full;
-  const double per_sample = checkpointing ? per_sample_bytes_checkpointed : per_sample_bytes_full;
+std::size_t ActivationModel::bytes(int batch, double recomputed_share, std::size_t dtype_bytes) const {
+  const double share = std::clamp(recomputed_share, 0.0, 1.0);
+  const double fixed = fixed_bytes_full + share * (fixed_bytes_checkpointed - fixed_bytes_full);
+  const double per_sample = per_sample_bytes_full + share * (per_sample_bytes_checkpointed - per_sample_bytes_full);
   const double dtype_scale = static_cast<double>(dtype_bytes) / static_cast<double>(reference_dtype_bytes);
   return static_cast<std::size_t>(std::llround((fixed + per_sample * batch) * area_scale * dtype_scale));
 }
@@ -32,6 +34,42 @@ std::size_t PlanUnit::numel() const {
   for (std::size_t t : tensors) n += t;
   for (std::size_t t : frozen_tensors) n += t;
   return n;
+}
+
+std::size_t checkpointable_units(const std::vector<PlanUnit>& units) {
+  return static_cast<std::size_t>(
+      std::count_if(units.begin(), units.end(), [](const PlanUnit& u) { return u.checkpointed; }));
+}
+
+std::vector<std::size_t> recompute_order(const std::vector<PlanUnit>& units) {
+  std::vector<std::size_t> order;
+  for (std::size_t u = 0; u < units.size(); ++u)
+    if (units[u].checkpointed) order.push_back(u);
+  // Bytes per recompute time, compared as cross products (no division by a
+  // zero weight): a unit that frees bytes for no recompute goes first.
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return units[a].activation_weight * units[b].recompute_weight >
+           units[b].activation_weight * units[a].recompute_weight;
+  });
+  return order;
+}
+
+std::pair<double, double> recomputed_shares(const PlanInput& in) {
+  if (!in.activation_checkpointing) return {0.0, 0.0};
+  if (in.units.empty() || in.checkpoint_units == 0) return {1.0, 1.0};
+  const std::vector<std::size_t> order = recompute_order(in.units);
+  double bytes_all = 0, time_all = 0, bytes = 0, time = 0;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    const PlanUnit& u = in.units[order[i]];
+    bytes_all += u.activation_weight;
+    time_all += u.recompute_weight;
+    if (i < in.checkpoint_units) {
+      bytes += u.activation_weight;
+      time += u.recompute_weight;
+    }
+  }
+  const double count_share = static_cast<double>(in.checkpoint_units) / static_cast<double>(order.size());
+  return {bytes_all > 0 ? bytes / bytes_all : count_share, time_all > 0 ? time / time_all : count_share};
 }
 
 // ---------------------------------------------------------------- validation
@@ -49,6 +87,18 @@ void PlanInput::validate() const {
     ZERO_THROW(InvalidArgument, "plan: ", e.message());
   }
   ZERO_CHECK(batch >= 1, "plan: batch must be >= 1, got ", batch);
+  if (checkpoint_units > 0) {
+    ZERO_CHECK(activation_checkpointing, "plan: checkpoint_units = ", checkpoint_units,
+               " needs activation_checkpointing");
+    ZERO_CHECK(!units.empty(), "plan: checkpoint_units = ", checkpoint_units,
+               " needs the model as units (a bare parameter count has none to choose)");
+    ZERO_CHECK(checkpoint_units <= checkpointable_units(units), "plan: checkpoint_units = ", checkpoint_units,
+               ", but the model has ", checkpointable_units(units), " checkpointable units");
+  }
+  for (std::size_t u = 0; u < units.size(); ++u)
+    ZERO_CHECK(units[u].activation_weight >= 0 && units[u].recompute_weight >= 0 &&
+                   std::isfinite(units[u].activation_weight) && std::isfinite(units[u].recompute_weight),
+               "plan: unit ", u, " ('", units[u].name, "') has a negative or non-finite activation or recompute weight");
   ZERO_CHECK(activations.area_scale > 0 && std::isfinite(activations.area_scale),
              "plan: activations.area_scale must be positive");
   ZERO_CHECK(activations.reference_dtype_bytes >= 1, "plan: activations.reference_dtype_bytes must be >= 1");
@@ -183,8 +233,13 @@ Plan make_plan(const PlanInput& input) {
     plan.engine.comm_scratch = (plan.largest_unit_elements + largest_shard) * 4;
     plan.engine.at_step_end += plan.engine.comm_scratch;
   }
+  std::tie(plan.recomputed_bytes_share, plan.recomputed_time_share) = recomputed_shares(input);
+  plan.recomputed_units = !input.activation_checkpointing ? 0
+                          : input.checkpoint_units > 0   ? input.checkpoint_units
+                          : input.units.empty()          ? plan.unit_count
+                                                         : checkpointable_units(input.units);
   plan.activations =
-      input.activations.bytes(input.batch, input.activation_checkpointing, size_of(input.engine.param_dtype));
+      input.activations.bytes(input.batch, plan.recomputed_bytes_share, size_of(input.engine.param_dtype));
   plan.runtime_overhead = input.runtime_overhead_bytes;
   return plan;
 }
@@ -235,7 +290,8 @@ double Plan::seconds_per_step() const {
   const double plain = s.measured_micro_step_seconds.empty()
                            ? fixed_seconds + per_sample * samples
                            : size * interpolate_micro_step(s, samples * input.activations.area_scale);
-  double gpu = plain * (input.activation_checkpointing ? s.checkpointing_factor : 1.0);
+  // Partial checkpointing recomputes its share of the recompute time.
+  double gpu = plain * (1.0 + (s.checkpointing_factor - 1.0) * recomputed_time_share);
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;
   gpu *= input.engine.accumulation_steps;
@@ -296,6 +352,9 @@ std::string Plan::trainer_options() const {
          ", offload_delayed_update = " + flag(input.engine.offload.delayed_update) +
          (input.engine.offload.accumulate_on_host ? ", offload_accumulate_on_host = true" : "") +
          ", activation_checkpointing = " + flag(input.activation_checkpointing) +
+         (input.activation_checkpointing && input.checkpoint_units > 0
+              ? ", checkpoint_units = " + std::to_string(input.checkpoint_units)
+              : "") +
          ", batch_size = " + std::to_string(input.batch) +
          ", accumulation = " + std::to_string(input.engine.accumulation_steps) +
          (input.engine.stage == 3 ? ", prefetch_units = " + std::to_string(input.engine.buckets.prefetch_units) : "");
@@ -306,7 +365,10 @@ std::string Plan::label() const {
   if (input.engine.offload.optimizer) text += input.engine.offload.params ? ", offload (optimizer + params)" : ", offload";
   if (input.engine.offload.delayed_update) text += ", delayed update";
   if (input.engine.offload.accumulate_on_host && input.engine.accumulation_steps > 1) text += ", host accumulation";
-  text += input.activation_checkpointing ? ", checkpointing" : ", no checkpointing";
+  if (!input.activation_checkpointing) text += ", no checkpointing";
+  else if (input.checkpoint_units == 0) text += ", checkpointing";
+  else text += ", checkpointing " + std::to_string(input.checkpoint_units) + " of " +
+               std::to_string(checkpointable_units(input.units)) + " units";
   text += ", batch " + std::to_string(input.batch);
   if (input.engine.accumulation_steps > 1) text += " x " + std::to_string(input.engine.accumulation_steps);
   return text;
@@ -378,6 +440,10 @@ nlohmann::json plan_json(const Plan& p) {
                  {"prefetch_units", in.engine.buckets.prefetch_units},
                  {"batch", in.batch},
                  {"activation_checkpointing", in.activation_checkpointing},
+                 {"checkpoint_units", in.checkpoint_units},
+                 {"recomputed_units", p.recomputed_units},
+                 {"recomputed_activation_share", p.recomputed_bytes_share},
+                 {"recomputed_time_share", p.recomputed_time_share},
                  {"latent_area_scale", in.activations.area_scale}};
   j["activation_model"] = in.activations.source;
   j["gpu_bytes"] = gpu;

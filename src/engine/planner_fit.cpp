@@ -58,6 +58,38 @@ FitResult::Candidate candidate(PlanInput in, const FitOptions& options, std::siz
   return c;
 }
 
+/// Partial checkpointing: from the candidate that recomputes every unit,
+/// the one that recomputes the fewest units in recompute_order() and still
+/// fits, when recomputing none does not fit and every one does. Only the
+/// activations depend on the units recomputed (the engine's buffers do
+/// not), so the count is found on copies of the plan and planned once.
+std::optional<FitResult::Candidate> fewest_recomputed(const FitResult::Candidate& all, const FitOptions& options,
+                                                      std::size_t limit) {
+  const PlanInput& in = all.plan.input;
+  if (!all.fits || in.units.empty()) return std::nullopt;
+  const std::size_t total = checkpointable_units(in.units);
+  const std::size_t dtype_bytes = size_of(in.engine.param_dtype);
+  auto fits_with = [&](std::size_t count) {
+    Plan p = all.plan;  // count 0: no checkpointing; count == total: every unit (as checkpoint_units = 0)
+    p.input.activation_checkpointing = count > 0;
+    p.input.checkpoint_units = count < total ? count : 0;
+    p.activations = in.activations.bytes(in.batch, recomputed_shares(p.input).first, dtype_bytes);
+    return peak_of(p, options) <= limit;
+  };
+  if (fits_with(0)) return std::nullopt;  // no checkpointing fits: that candidate is searched already
+  // The peak falls as units are added: the smallest count that fits.
+  std::size_t lo = 1, hi = total;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (fits_with(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  if (lo >= total) return std::nullopt;  // only every unit fits: that is `all`
+  PlanInput partial = in;
+  partial.checkpoint_units = lo;
+  return candidate(std::move(partial), options, limit);
+}
+
 std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   std::vector<FitResult::Candidate> out;
   const std::size_t limit = usable(gpu_bytes, options);
@@ -86,7 +118,12 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
               in.engine.offload.delayed_update = delayed;
               in.engine.offload.accumulate_on_host = on_host;
               in.activation_checkpointing = checkpointing;
-              out.push_back(candidate(std::move(in), options, limit));
+              in.checkpoint_units = 0;  // every unit; the fewest that fit are searched below
+              FitResult::Candidate all = candidate(std::move(in), options, limit);
+              if (checkpointing) {
+                if (auto partial = fewest_recomputed(all, options, limit)) out.push_back(std::move(*partial));
+              }
+              out.push_back(std::move(all));
             }
       }
   // Most images per second first (at one batch: least time per sample).
@@ -225,6 +262,7 @@ std::string FitResult::to_json(int indent) const {
                     {"offload_optimizer", c.plan.input.engine.offload.optimizer},
                     {"offload_params", c.plan.input.engine.offload.params},
                     {"activation_checkpointing", c.plan.input.activation_checkpointing},
+                    {"checkpoint_units", c.plan.input.checkpoint_units},
                     {"gpu_peak_bytes", c.plan.gpu_peak()},
                     {"gpu_peak_lower_bytes", c.plan.gpu_peak_lower()},
                     {"host_bytes_per_host", c.plan.host_per_host()},

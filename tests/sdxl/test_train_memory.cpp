@@ -116,7 +116,9 @@ std::string options_of(const sdxl::TrainConfig& c) {
          ", offload_params = " + (c.offload_params ? "true" : "false") + ", offload_delayed_update = " +
          (c.offload_delayed_update ? "true" : "false") +
          (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") + ", activation_checkpointing = " +
-         (c.activation_checkpointing ? "true" : "false") + ", batch_size = " + std::to_string(c.batch_size) +
+         (c.activation_checkpointing ? "true" : "false") +
+         (c.checkpoint_units > 0 ? ", checkpoint_units = " + std::to_string(c.checkpoint_units) : "") +
+         ", batch_size = " + std::to_string(c.batch_size) +
          ", accumulation = " + std::to_string(c.accumulation) +
          (c.stage == 3 ? ", prefetch_units = " + std::to_string(c.prefetch_units) : "");
 }
@@ -147,6 +149,35 @@ TEST_CASE("fit: the run takes the planner's fastest proposal for its global batc
   CHECK(d.report.find("images/s") != std::string::npos);
   CHECK(d.report.find("changed from the configuration: ") != std::string::npos);
   CHECK(d.report.find("stage 2 -> ") != std::string::npos);
+}
+
+TEST_CASE("fit: partial checkpointing, the fewest units that fit (SDXL, batch 8 pinned, 80 GiB)") {
+  sdxl::TrainConfig c = fit_run();
+  c.fit = "80GiB";
+  c.command_line_keys = {"batch_size"};
+  const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
+  CHECK(c.batch_size == 8);
+  CHECK(c.activation_checkpointing);
+  REQUIRE(c.checkpoint_units > 0);
+  CHECK(c.checkpoint_units < 91);
+  CHECK(d.plan.input.checkpoint_units == static_cast<std::size_t>(c.checkpoint_units));
+  CHECK(d.plan.gpu_peak() <= static_cast<std::size_t>(0.95 * 80 * zero::plan::kGiB));
+  CHECK(d.report.find("checkpoint_units 0 -> " + std::to_string(c.checkpoint_units)) != std::string::npos);
+  // One unit fewer does not fit; every unit is slower.
+  zero::plan::PlanInput fewer = d.plan.input;
+  fewer.checkpoint_units -= 1;
+  CHECK(zero::plan::make_plan(fewer).gpu_peak() > static_cast<std::size_t>(0.95 * 80 * zero::plan::kGiB));
+  zero::plan::PlanInput every = d.plan.input;
+  every.checkpoint_units = 0;
+  CHECK(zero::plan::make_plan(every).images_per_second() < d.plan.images_per_second());
+  // The configuration's checks: checkpoint_units needs activation_checkpointing.
+  sdxl::TrainConfig bad = fit_run();
+  bad.checkpoint_units = 4;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units = 4 ([train]) chooses the units"),
+                       zero::InvalidArgument);
+  bad.checkpoint_units = -1;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units ([train]) must be >= 0"),
+                       zero::InvalidArgument);
 }
 
 TEST_CASE("fit: an option given on the command line is kept; faster proposals that change it are named") {

@@ -16,6 +16,7 @@
 #include "unet.hpp"
 #include "unet_config.hpp"
 #include "unet_io.hpp"
+#include "unet_param_count.hpp"
 #include "zero/core/error.hpp"
 
 // LibTorch builds with glog (Debian's 1.13) define CHECK* macros through
@@ -408,6 +409,72 @@ TEST_CASE("tiny: activation checkpointing gives the same gradients") {
   const Tensor b = model->forward(in.sample.to(torch::kFloat64), in.timestep, in.context.to(torch::kFloat64),
                                   in.text_embeds.to(torch::kFloat64), in.time_ids);
   CHECK(torch::equal(a, b));
+}
+
+TEST_CASE("tiny: partial checkpointing recomputes the chosen units only, with the same gradients") {
+  // checkpoint_units = k: the k units of zero::plan::recompute_order run
+  // through the recompute path, the others keep their activations; the
+  // gradients are those of no checkpointing (float64, as above).
+  sdxl::UNet2DConditionModel model = sdxl::load_unet(kTinyWeights);
+  model->to(torch::kFloat64);
+  const TinyInputs in = tiny_inputs();
+  torch::manual_seed(11);
+  const Tensor weight = torch::randn(in.sample.sizes(), torch::kFloat64);
+  const std::size_t unit_count = model->units().size();
+  std::vector<bool> recomputed_seen;
+  model->set_unit_runner([&](std::size_t unit, const torch::autograd::variable_list& inputs,
+                             const sdxl::UNet2DConditionModelImpl::UnitBody& body, bool recompute) {
+    if (torch::GradMode::is_enabled() && recomputed_seen.size() == unit) recomputed_seen.push_back(recompute);
+    return recompute ? sdxl::checkpoint(body, inputs) : body(inputs);
+  });
+  auto run = [&](bool checkpointing, std::int64_t units) {
+    model->set_activation_checkpointing(checkpointing);
+    model->set_recomputed_units(sdxl::recomputed_unit_mask(model->config(), model->unit_granularity(),
+                                                           in.sample.size(2), units));
+    model->zero_grad();
+    recomputed_seen.clear();
+    Tensor sample = in.sample.to(torch::kFloat64).requires_grad_(true);
+    Tensor out = model->forward(sample, in.timestep, in.context.to(torch::kFloat64), in.text_embeds.to(torch::kFloat64),
+                                in.time_ids);
+    (out * weight).sum().backward();
+    std::vector<Tensor> grads{out.detach(), sample.grad().clone()};
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = run(false, 0);
+  const std::size_t checkpointable = unit_count - 2;  // all but embed and head
+  const auto order = zero::plan::recompute_order(
+      sdxl::plan_units(model->config(), model->unit_granularity(), in.sample.size(2)));
+  REQUIRE(order.size() == checkpointable);
+  for (std::int64_t k : {std::int64_t{1}, static_cast<std::int64_t>(checkpointable / 2),
+                         static_cast<std::int64_t>(checkpointable - 1)}) {
+    CAPTURE(k);
+    const auto grads = run(true, k);
+    REQUIRE(recomputed_seen.size() == unit_count);
+    std::vector<bool> expected(unit_count, false);
+    for (std::int64_t i = 0; i < k; ++i) expected[order[static_cast<std::size_t>(i)]] = true;
+    CHECK(recomputed_seen == expected);
+    // Relative to the tensor's largest gradient, or to a millionth of the
+    // largest overall for gradients that are zero up to rounding (as above).
+    double global = 0;
+    for (std::size_t i = 2; i < plain.size(); ++i) global = std::max(global, plain[i].abs().max().item<double>());
+    double worst = 0;
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+      const double scale = std::max(plain[i].abs().max().item<double>(), 1e-6 * global);
+      worst = std::max(worst, (plain[i] - grads[i]).abs().max().item<double>() / scale);
+    }
+    CHECK(worst <= 1e-8);
+  }
+  // 0: every checkpointable unit.
+  (void)run(true, 0);
+  std::vector<bool> every(unit_count, true);
+  every.front() = every.back() = false;
+  CHECK(recomputed_seen == every);
+  CHECK_THROWS_WITH_AS(sdxl::recomputed_unit_mask(model->config(), model->unit_granularity(), in.sample.size(2),
+                                                  static_cast<std::int64_t>(checkpointable + 1)),
+                       doctest::Contains("checkpointable units"), zero::InvalidArgument);
+  CHECK_THROWS_WITH_AS(model->set_recomputed_units(std::vector<bool>(3, true)),
+                       doctest::Contains("given for 3 units"), zero::InvalidArgument);
 }
 
 TEST_CASE("tiny: each unit's computation uses only its own unit's parameters, in units() order") {

@@ -105,3 +105,76 @@ TEST_CASE("param count: the full SDXL UNet, 2,567,463,684 parameters in 93 layer
   CHECK(sdxl::count_unit_parameters(config, sdxl::UnitGranularity::blocks).size() == 9);
   check_counts_equal_model(config);  // meta device: names and shapes only
 }
+
+TEST_CASE("activation and FLOP estimates: SDXL's forward FLOPs, blocks the sums of their layers, latent scaling") {
+  // The weights partial checkpointing chooses units by (plan_units,
+  // zero::plan::recompute_order).
+  const auto config = sdxl::UNetConfig::sdxl_base();
+  const auto layers = sdxl::count_unit_parameters(config, sdxl::UnitGranularity::layers, 128);
+  const auto blocks = sdxl::count_unit_parameters(config, sdxl::UnitGranularity::blocks, 128);
+  double flops = 0, saved = 0, freed = 0;
+  for (const auto& unit : layers) {
+    CAPTURE(unit.name);
+    if (!unit.checkpointed) {
+      CHECK(unit.saved_elements == 0);
+      continue;
+    }
+    CHECK(unit.saved_elements > 0);
+    CHECK(unit.forward_flops > 0);
+    flops += unit.forward_flops;
+    saved += unit.saved_elements;
+    freed += unit.freed_elements();
+    CHECK(unit.freed_elements() == doctest::Approx(unit.saved_elements - unit.input_elements));
+  }
+  // The UNet's forward at 1024 px is about a third of the 20.62 TFLOP of
+  // forward + backward per image (bench/results/sdxl-gpu.md, from the layer shapes):
+  // the estimate counts the convolutions, projections and attention.
+  MESSAGE("SDXL forward, estimated: ", flops / 1e12, " TFLOP; activations kept without checkpointing: ",
+          saved / 1e9, " G elements per sample, freed by recomputing every unit: ", freed / 1e9, " G");
+  CHECK(flops == doctest::Approx(20.62e12 / 3).epsilon(0.1));
+  // The calibrated activations freed by checkpointing every unit: 6.447 -
+  // 2.267 GiB per sample in bf16 (sdxl_calibration.hpp), 2.24 G elements.
+  // The estimate is a weighting, not that count (the measured figures hold
+  // the allocator's rounding, the recompute of one unit and autograd's
+  // transient gradients); it stays within 25%.
+  CHECK(freed == doctest::Approx((6.447 - 2.267) * 1073741824.0 / 2).epsilon(0.25));
+  // A downsampler keeps only its input: recomputing it frees nothing.
+  for (const auto& unit : layers)
+    if (unit.name.find("downsamplers") != std::string::npos) CHECK(unit.freed_elements() == 0);
+  // A block's estimate is the sum of its layers'.
+  for (const auto& block : blocks) {
+    if (!block.checkpointed) continue;
+    double block_saved = 0, block_flops = 0;
+    for (const auto& unit : layers)
+      if (unit.name.rfind(block.name + ".", 0) == 0) {
+        block_saved += unit.saved_elements;
+        block_flops += unit.forward_flops;
+      }
+    CAPTURE(block.name);
+    CHECK(block.saved_elements == doctest::Approx(block_saved).epsilon(1e-12));
+    CHECK(block.forward_flops == doctest::Approx(block_flops).epsilon(1e-12));
+  }
+  // Half the latent side: a quarter of the positions, so a quarter of the
+  // saved elements, but for the text's keys and values (77 tokens), which do
+  // not shrink: up to 1.9% at 16 x 16 positions.
+  const auto small = sdxl::count_unit_parameters(config, sdxl::UnitGranularity::layers, 64);
+  for (std::size_t u = 0; u < layers.size(); ++u) {
+    CAPTURE(layers[u].name);
+    CHECK(small[u].saved_elements >= layers[u].saved_elements / 4);
+    CHECK(small[u].saved_elements == doctest::Approx(layers[u].saved_elements / 4).epsilon(0.02));
+  }
+  // What partial checkpointing takes first: the highest bytes per FLOP.
+  const auto units = sdxl::plan_units(config, sdxl::UnitGranularity::layers, 128);
+  const auto order = zero::plan::recompute_order(units);
+  REQUIRE(order.size() == 91);
+  const auto ratio = [&](std::size_t u) { return units[u].activation_weight / units[u].recompute_weight; };
+  for (std::size_t i = 1; i < order.size(); ++i) CHECK(ratio(order[i - 1]) >= ratio(order[i]));
+  MESSAGE("first recomputed: ", units[order.front()].name, ", last: ", units[order.back()].name);
+  CHECK(units[order.back()].name.find("downsamplers") != std::string::npos);
+  CHECK_THROWS_WITH_AS(sdxl::recomputed_unit_mask(config, sdxl::UnitGranularity::layers, 128, 92),
+                       doctest::Contains("checkpoint_units = 92: the UNet has 91 checkpointable units"),
+                       zero::InvalidArgument);
+  const std::vector<bool> mask = sdxl::recomputed_unit_mask(config, sdxl::UnitGranularity::layers, 128, 10);
+  CHECK(std::count(mask.begin(), mask.end(), true) == 10);
+  CHECK(sdxl::recomputed_unit_mask(config, sdxl::UnitGranularity::layers, 128, 0).empty());
+}

@@ -678,3 +678,154 @@ TEST_CASE("fit: equal predicted speed goes to fewer micro-steps, then less memor
   CHECK(r.best->input.engine.accumulation_steps == fewest);
   CHECK(fewest < 8);  // not the smallest micro-batch, as less memory first would take
 }
+
+namespace {
+
+// sdxl_units() with made-up activation and recompute weights: ratios 4, 1,
+// 2, 0.5, 3, 1.5 and 2.5 on the seven checkpointable units.
+plan::PlanInput weighted_input() {
+  plan::PlanInput in = sdxl_input();
+  const std::vector<std::pair<double, double>> weights = {{4, 1}, {1, 1}, {4, 2}, {1, 2}, {9, 3}, {3, 2}, {5, 2}};
+  std::size_t next = 0;
+  for (plan::PlanUnit& u : in.units) {
+    if (!u.checkpointed) continue;
+    u.activation_weight = weights[next].first;
+    u.recompute_weight = weights[next].second;
+    ++next;
+  }
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("plan: partial checkpointing recomputes the units with the most bytes per recompute time, in between") {
+  plan::PlanInput in = weighted_input();
+  // Units 1..7 are the checkpointable ones (embed and head are not); by ratio: 1 (4), 5 (3), 7 (2.5), 3 (2), 6 (1.5),
+  // 2 (1), 4 (0.5).
+  CHECK(plan::recompute_order(in.units) == std::vector<std::size_t>{1, 5, 7, 3, 6, 2, 4});
+  CHECK(plan::checkpointable_units(in.units) == 7);
+  in.batch = 8;
+  in.activation_checkpointing = false;
+  const plan::Plan none = plan::make_plan(in);
+  in.activation_checkpointing = true;
+  const plan::Plan all = plan::make_plan(in);
+  CHECK(none.recomputed_units == 0);
+  CHECK(all.recomputed_units == 7);
+  CHECK(all.recomputed_bytes_share == 1.0);
+  CHECK(all.activations == in.activations.bytes(8, true, 2));
+  CHECK(none.activations == in.activations.bytes(8, false, 2));
+  std::size_t previous_bytes = none.activations;
+  double previous_seconds = none.seconds_per_step();
+  const double total_bytes = 4 + 1 + 4 + 1 + 9 + 3 + 5, total_time = 1 + 1 + 2 + 2 + 3 + 2 + 2;
+  const std::vector<std::pair<double, double>> in_order = {{4, 1}, {9, 3}, {5, 2}, {4, 2}, {3, 2}, {1, 1}, {1, 2}};
+  double bytes = 0, time = 0;
+  for (std::size_t k = 1; k <= 6; ++k) {
+    CAPTURE(k);
+    bytes += in_order[k - 1].first;
+    time += in_order[k - 1].second;
+    in.checkpoint_units = k;
+    const plan::Plan partial = plan::make_plan(in);
+    CHECK(partial.recomputed_units == k);
+    CHECK(partial.recomputed_bytes_share == doctest::Approx(bytes / total_bytes));
+    CHECK(partial.recomputed_time_share == doctest::Approx(time / total_time));
+    const double expected = static_cast<double>(none.activations) +
+                            bytes / total_bytes * (static_cast<double>(all.activations) - static_cast<double>(none.activations));
+    CHECK(static_cast<double>(partial.activations) == doctest::Approx(expected).epsilon(1e-6));
+    CHECK(partial.activations < previous_bytes);
+    CHECK(partial.seconds_per_step() > previous_seconds);
+    CHECK(partial.seconds_per_step() < all.seconds_per_step());
+    previous_bytes = partial.activations;
+    previous_seconds = partial.seconds_per_step();
+    // Everything else is the same plan.
+    CHECK(partial.model_state.model_state() == all.model_state.model_state());
+    CHECK(partial.engine.peak() == all.engine.peak());
+  }
+  CHECK(previous_bytes > all.activations);
+  in.checkpoint_units = 3;
+  const plan::Plan three = plan::make_plan(in);
+  CHECK(three.label().find("checkpointing 3 of 7 units") != std::string::npos);
+  CHECK(three.trainer_options().find("activation_checkpointing = true, checkpoint_units = 3") != std::string::npos);
+  const auto json = nlohmann::json::parse(three.to_json());
+  CHECK(json["config"]["checkpoint_units"] == 3);
+  CHECK(json["config"]["recomputed_units"] == 3);
+  // Without weights every unit counts the same.
+  plan::PlanInput equal = sdxl_input();
+  equal.activation_checkpointing = true;
+  equal.checkpoint_units = 2;
+  CHECK(plan::make_plan(equal).recomputed_bytes_share == doctest::Approx(2.0 / 7.0));
+  CHECK(plan::recompute_order(equal.units) == std::vector<std::size_t>{1, 2, 3, 4, 5, 6, 7});
+}
+
+TEST_CASE("plan: checkpoint_units errors name the field") {
+  plan::PlanInput in = weighted_input();
+  in.activation_checkpointing = true;
+  in.checkpoint_units = 8;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("checkpoint_units = 8, but the model has 7 checkpointable"),
+                       InvalidArgument);
+  in.checkpoint_units = 2;
+  in.activation_checkpointing = false;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("checkpoint_units = 2 needs activation_checkpointing"),
+                       InvalidArgument);
+  in.activation_checkpointing = true;
+  in.units[3].recompute_weight = -1;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("'down_blocks.2') has a negative"), InvalidArgument);
+  plan::PlanInput bare;
+  bare.param_count = 1000000;
+  bare.activation_checkpointing = true;
+  bare.checkpoint_units = 1;
+  CHECK_THROWS_WITH_AS(plan::make_plan(bare), doctest::Contains("needs the model as units"), InvalidArgument);
+}
+
+TEST_CASE("fit: partial checkpointing where no checkpointing does not fit and every unit does") {
+  plan::PlanInput in = weighted_input();
+  in.batch = 8;
+  in.engine.stage = 2;
+  in.activation_checkpointing = false;
+  const plan::Plan none = plan::make_plan(in);
+  in.activation_checkpointing = true;
+  const plan::Plan all = plan::make_plan(in);
+  // A GPU whose usable part lies between the two peaks of stage 2 on the device.
+  const double usable = 0.5 * static_cast<double>(none.gpu_peak() + all.gpu_peak());
+  const auto gpu = static_cast<std::size_t>(usable / 0.95);
+  const plan::FitResult r = plan::fit(in, gpu, {});
+  REQUIRE(r.best.has_value());
+  bool stage2_partial = false;
+  for (std::size_t i = 0; i < r.candidates.size(); ++i) {
+    const plan::Plan& p = r.candidates[i].plan;
+    if (p.input.checkpoint_units == 0) continue;
+    CAPTURE(p.label());
+    CHECK(r.candidates[i].fits);
+    // The fewest units that fit: one fewer does not.
+    plan::PlanInput fewer = p.input;
+    fewer.checkpoint_units -= 1;
+    fewer.activation_checkpointing = fewer.checkpoint_units > 0;
+    CHECK(plan::make_plan(fewer).gpu_peak() > static_cast<std::size_t>(static_cast<double>(gpu) * 0.95));
+    // Ranked before the same configuration recomputing every unit (faster).
+    for (std::size_t j = 0; j < r.candidates.size(); ++j) {
+      const plan::PlanInput& q = r.candidates[j].plan.input;
+      if (q.activation_checkpointing && q.checkpoint_units == 0 && q.engine.stage == p.input.engine.stage &&
+          q.engine.offload.optimizer == p.input.engine.offload.optimizer &&
+          q.engine.offload.params == p.input.engine.offload.params &&
+          q.engine.offload.delayed_update == p.input.engine.offload.delayed_update) {
+        CHECK(i < j);
+        CHECK(p.images_per_second() > r.candidates[j].plan.images_per_second());
+      }
+    }
+    if (p.input.engine.stage == 2 && !p.input.engine.offload.optimizer) stage2_partial = true;
+  }
+  CHECK(stage2_partial);
+  // No partial candidate where checkpointing nothing already fits (a GPU with room for it).
+  const plan::FitResult roomy = plan::fit(in, none.gpu_peak() * 2, {});
+  for (const auto& c : roomy.candidates) CHECK(c.plan.input.checkpoint_units == 0);
+}
+
+TEST_CASE("fit: a base with partial checkpointing is searched like any other (none, every unit, the fewest)") {
+  plan::PlanInput in = weighted_input();
+  in.batch = 8;
+  in.activation_checkpointing = true;
+  in.checkpoint_units = 5;
+  const plan::FitResult r = plan::fit(in, 200 * kGiB, {});
+  REQUIRE(r.best.has_value());
+  CHECK_FALSE(r.best->input.activation_checkpointing);  // everything fits without recompute
+  for (const auto& c : r.candidates) CHECK(c.plan.input.checkpoint_units == 0);
+}

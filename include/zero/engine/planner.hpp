@@ -55,8 +55,12 @@ struct ActivationModel {
   /// "extrapolated from ...", "given").
   std::string source = "none";
 
-  /// Bytes for one micro-step of `batch` samples in a precision of dtype_bytes.
-  std::size_t bytes(int batch, bool checkpointing, std::size_t dtype_bytes) const;
+  /// Bytes for one micro-step of `batch` samples in a precision of
+  /// dtype_bytes, with `recomputed_share` of the checkpointable activation
+  /// bytes recomputed (0: no checkpointing, 1: every checkpointable unit;
+  /// between: linear from the full to the checkpointed constants, the
+  /// share weighted by PlanUnit::activation_weight).
+  std::size_t bytes(int batch, double recomputed_share, std::size_t dtype_bytes) const;
 };
 
 /// One engine bucket (a stage-3 unit), by its parameter tensors' sizes in
@@ -68,6 +72,13 @@ struct PlanUnit {
   /// Recomputed in backward when activation checkpointing is on (a model
   /// may leave small units, such as embeddings and heads, out).
   bool checkpointed = true;
+  /// Partial checkpointing (PlanInput::checkpoint_units): the activation
+  /// bytes autograd keeps for this unit when it is not recomputed, and the
+  /// time its recompute takes, each relative to the model's other units
+  /// (e.g. saved elements and forward FLOPs per sample; only ratios matter).
+  /// Both 0 on every unit: equal shares.
+  double activation_weight = 0;
+  double recompute_weight = 0;
   /// Frozen tensors of the unit (sizes): parameters only, no gradient,
   /// master, optimizer state or EMA (ParamSpec::frozen).
   std::vector<std::size_t> frozen_tensors;
@@ -138,6 +149,11 @@ struct PlanInput {
 
   int batch = 1;  // per GPU and micro-step
   bool activation_checkpointing = false;
+  /// With activation_checkpointing: recompute only the first
+  /// checkpoint_units units of recompute_order(units), the ones that free
+  /// the most activation bytes per second of recompute (0: every unit
+  /// marked checkpointed). Needs units.
+  std::size_t checkpoint_units = 0;
   ActivationModel activations{};
   /// CUDA context, cuBLAS/cuDNN/NCCL workspaces and allocator slack of one
   /// process on one GPU.
@@ -187,6 +203,18 @@ struct Traffic {
   }
 };
 
+/// The checkpointable units (PlanUnit::checkpointed) by activation bytes
+/// freed per recompute time, largest first (ties in model order): the order
+/// in which partial checkpointing (PlanInput::checkpoint_units) takes them.
+std::vector<std::size_t> recompute_order(const std::vector<PlanUnit>& units);
+
+/// Number of checkpointable units.
+std::size_t checkpointable_units(const std::vector<PlanUnit>& units);
+
+/// The shares of the checkpointable units' activation bytes (first) and
+/// recompute time (second) that `in` recomputes: Plan::recomputed_*_share.
+std::pair<double, double> recomputed_shares(const PlanInput& in);
+
 struct Plan {
   PlanInput input;
   std::size_t padded_numel = 0;
@@ -200,6 +228,13 @@ struct Plan {
   EngineBuffers engine;
   std::size_t activations = 0;
   std::size_t runtime_overhead = 0;
+  /// The shares of the checkpointable units' activation bytes and recompute
+  /// time that this plan recomputes: 0 without checkpointing, 1 with every
+  /// unit, between with PlanInput::checkpoint_units.
+  double recomputed_bytes_share = 0;
+  double recomputed_time_share = 0;
+  /// Units recomputed in backward (0 without checkpointing).
+  std::size_t recomputed_units = 0;
   // ---- per rank in host memory
   MemoryByCategory host_state;  // host_model_state_bytes; buffers = transfer (staging) buffers
 
@@ -289,7 +324,9 @@ struct FitResult {
   std::string table() const;
 };
 
-/// Searches stage (0-3) x offload_optimizer x activation checkpointing (plus
+/// Searches stage (0-3) x offload_optimizer x activation checkpointing (none,
+/// every unit, and the fewest units in recompute_order() that make the peak
+/// fit when none does not and every unit does) (plus
 /// offload_params at stage 3) at the base input's world size and batch
 /// (with options.global_batch: micro-batch, accumulation and the delayed
 /// update too); everything else is kept. A delayed update in the base input

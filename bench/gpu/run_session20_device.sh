@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 20 (2026-12-05, no GPU lent): partial activation checkpointing
+# ([train] checkpoint_units, docs/planner.md "Partial checkpointing"), to be
+# measured against the planner's prediction.
+#   PHASES="build partial" TARGETS="train zero-plan" STEPS=12 bash bench/gpu/run_session20_device.sh
+#  build: the cuda preset (TARGETS: only these);
+#  partial: sdxl-1024.toml (AdamW + EMA) at batch 8, stage 2, on one GPU:
+#           every unit recomputed, 58 and 30 of the 91 units, none; then
+#           [device] fit = 80GiB with the batch pinned (an 80 GB card's
+#           budget: the planner picks 58 units, predicted peak 75.96 GiB,
+#           15.0 images/s against 13.7 for every unit). The log holds
+#           zero-plan's prediction for each run beside the measurement.
+set -uo pipefail
+NAME=s20 DEFAULT_PHASES="partial"
+source bench/gpu/device_env.sh
+device_script_begin
+if has partial; then
+  gb8=$(batch8_config) || exit 1
+  for units in 0 58 30; do
+    "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage 2 --batch 8 --checkpointing \
+      --checkpoint-units "$units" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
+print('zero-plan, checkpoint_units $units:', p['label'], 'peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
+      | tee -a "$LOG"
+    CONFIG=$gb8 run_trainer "sdxl-partial-units$units-stage2-b8" 150 --stage 2 --checkpoint_units "$units"
+  done
+  CONFIG=$gb8 run_trainer "sdxl-partial-none-stage2-b8" 150 --stage 2 --activation_checkpointing false
+  CONFIG=$gb8 run_trainer "sdxl-partial-fit80-b8" 150 --batch_size 8 --fit 80GiB
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+say "done"

@@ -5,26 +5,31 @@
 #   PHASES="build partial" TARGETS="train zero-plan" STEPS=12 bash bench/gpu/run_session20_device.sh
 #  build: the cuda preset (TARGETS: only these);
 #  partial: sdxl-1024.toml (AdamW + EMA) at batch 8, stage 2, on one GPU:
-#           every unit recomputed, 58 and 30 of the 91 units, none; then
-#           [device] fit = 80GiB with the batch pinned (an 80 GB card's
-#           budget: the planner picks 58 units, predicted peak 75.96 GiB,
-#           15.0 images/s against 13.7 for every unit). The log holds
-#           zero-plan's prediction for each run beside the measurement.
+#           every unit recomputed, 56 and 30 of the 91 units, none; then the
+#           config's checkpoint_units = "fit" on this GPU (predicted: none)
+#           and under max_gpu_memory = 80GiB (an 80 GB card: the planner
+#           picks 56 units, predicted peak 75.68 GiB, 15.0 images/s against
+#           13.7 for every unit). The log holds zero-plan's prediction for
+#           each count beside the measurement.
 set -uo pipefail
 NAME=s20 DEFAULT_PHASES="partial"
 source bench/gpu/device_env.sh
 device_script_begin
 if has partial; then
   gb8=$(batch8_config) || exit 1
-  for units in 0 58 30; do
+  for units in all 56 30; do
+    count=$units; [ "$units" = all ] && count=0
     "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage 2 --batch 8 --checkpointing \
-      --checkpoint-units "$units" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
-print('zero-plan, checkpoint_units $units:', p['label'], 'peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
+      --checkpoint-units "$count" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
+print('zero-plan, checkpoint_units $units:', p['label'], '- peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
       | tee -a "$LOG"
     CONFIG=$gb8 run_trainer "sdxl-partial-units$units-stage2-b8" 150 --stage 2 --checkpoint_units "$units"
   done
   CONFIG=$gb8 run_trainer "sdxl-partial-none-stage2-b8" 150 --stage 2 --activation_checkpointing false
-  CONFIG=$gb8 run_trainer "sdxl-partial-fit80-b8" 150 --batch_size 8 --fit 80GiB
+  # The config's default (checkpoint_units = "fit") on this GPU, and capped
+  # at an 80 GB card's memory: the trainer picks the count.
+  CONFIG=$gb8 run_trainer "sdxl-partial-fit-stage2-b8" 150 --stage 2
+  CONFIG=$gb8 run_trainer "sdxl-partial-fit-cap80-stage2-b8" 150 --stage 2 --max_gpu_memory 80GiB
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

@@ -44,6 +44,10 @@ void set_from_toml(const Option& o, const toml::node& node, const std::string& o
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, std::string>) {
+          if (o.integer_as_text && node.is_integer()) {
+            *p = std::to_string(*node.value<std::int64_t>());
+            return;
+          }
           auto v = node.value<std::string>();
           ZERO_CHECK(node.is_string() && v, where, ": expected a string, got ", node.type());
           *p = unshield(*v);

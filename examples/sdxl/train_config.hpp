@@ -49,9 +49,12 @@ struct TrainConfig {
   double min_snr_gamma = 0;            // 0: off
   double noise_offset = 0;
   bool activation_checkpointing = false;
-  /// With activation_checkpointing: recompute only this many units, those
-  /// that free the most activation memory per recompute FLOP (0: every unit).
-  std::int64_t checkpoint_units = 0;
+  /// With activation_checkpointing, the units recomputed: "all"; a count k
+  /// ("58"; in TOML also the integer 58): the k that free the most
+  /// activation memory per recompute FLOP; "fit": the fewest of those whose
+  /// predicted peak fits the GPU (max_gpu_memory, else its memory), decided
+  /// before the engine is built (checkpoint_unit_count()).
+  std::string checkpoint_units = "all";
   std::int64_t seed = 1234;
   // [optimizer]
   std::string optimizer = "adamw";     // adamw, lion, sgd
@@ -167,6 +170,9 @@ struct TrainConfig {
   /// With epochs the options bounded by the run's length in steps are
   /// checked by validate_length() once that length is known.
   void validate() const;
+  /// checkpoint_units as a count: 0 for "all" (and for "fit" before it is
+  /// decided), else the number given.
+  std::int64_t checkpoint_unit_count() const;
   /// The options bounded by the run's length (warmup_steps, stop_after,
   /// profile_step) against `total_steps`: steps, or what epochs come to.
   void validate_length(std::int64_t total_steps) const;

@@ -34,8 +34,10 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"train", "noise_offset", &c.noise_offset, "noise offset (0: off)"},
       {"train", "activation_checkpointing", &c.activation_checkpointing, "recompute each UNet block in backward"},
       {"train", "checkpoint_units", &c.checkpoint_units,
-       "with activation_checkpointing: recompute only this many units, those that free the most activation memory "
-       "per recompute FLOP (partial checkpointing; [device] fit picks the fewest that fit); 0: every unit"},
+       "with activation_checkpointing, the units recomputed: all; a count k: the k that free the most activation "
+       "memory per recompute FLOP (partial checkpointing); fit: the fewest of those whose predicted peak fits this "
+       "GPU (max_gpu_memory, else its memory; none when everything fits; on the CPU: all)",
+       nullptr, true},
       {"train", "seed", &c.seed, "seed of data order, noise and timesteps"},
       {"optimizer", "optimizer", &c.optimizer, "adamw, lion or sgd"},
       {"optimizer", "lr", &c.lr, "peak learning rate"},

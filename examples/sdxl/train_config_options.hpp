@@ -22,6 +22,7 @@ struct Option {
   Field field;
   const char* help;
   const char* flag = nullptr;  // the command-line name when not the key ([lora] rank is --lora_rank)
+  bool integer_as_text = false;  // a text option that also takes a TOML integer (as its digits)
   std::string command_line() const { return std::string("--") + (flag != nullptr ? flag : key); }
 };
 

@@ -1,5 +1,6 @@
 #include "train_config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -24,6 +25,18 @@ constexpr std::int64_t kMaxTextLength = 4096;                // tokens; SDXL's e
 constexpr std::int64_t kMaxBatchSize = 65536;                // per rank and micro-step
 
 }  // namespace
+
+std::int64_t TrainConfig::checkpoint_unit_count() const {
+  if (checkpoint_units == "all" || checkpoint_units == "fit") return 0;
+  std::int64_t count = 0;
+  const bool digits = !checkpoint_units.empty() && checkpoint_units.size() <= 6 &&
+                      std::all_of(checkpoint_units.begin(), checkpoint_units.end(),
+                                  [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (digits) count = std::stoll(checkpoint_units);
+  ZERO_CHECK(digits && count >= 1, "checkpoint_units ([train]) must be \"all\", \"fit\" or a number of units "
+             ">= 1, got \"", checkpoint_units, "\"");
+  return count;
+}
 
 void TrainConfig::validate() const {
   using zero::InvalidArgument;
@@ -118,10 +131,12 @@ void TrainConfig::validate() const {
   ZERO_CHECK(shard_group_size >= 0 && shard_group_size <= (1 << 20),
              "shard_group_size must be 0 (all ranks) or a number of ranks that divides the world size, got ",
              shard_group_size);
-  ZERO_CHECK(checkpoint_units >= 0, "checkpoint_units ([train]) must be >= 0 (0: every unit), got ", checkpoint_units);
-  ZERO_CHECK(checkpoint_units == 0 || activation_checkpointing, "checkpoint_units = ", checkpoint_units,
-             " ([train]) chooses the units activation checkpointing recomputes: set activation_checkpointing = true, "
-             "or checkpoint_units = 0");
+  (void)checkpoint_unit_count();  // "all", "fit" or a count, else refused naming the key
+  // "fit" without checkpointing has nothing to choose (sdxl-1024.toml sets
+  // it, and --activation_checkpointing false must still work); a count does.
+  ZERO_CHECK(checkpoint_unit_count() == 0 || activation_checkpointing, "checkpoint_units = \"", checkpoint_units,
+             "\" ([train]) chooses the units activation checkpointing recomputes: set activation_checkpointing = "
+             "true, or checkpoint_units = \"all\"");
   // The engine's buckets are whole bytes: below one byte the engine would name its own option, not this one.
   ZERO_CHECK(prefetch_units >= 0 && prefetch_units <= 64,
              "prefetch_units ([zero]) must be in [0, 64] (0: gather each unit when entered), got ", prefetch_units);

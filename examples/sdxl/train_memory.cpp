@@ -20,7 +20,7 @@ std::string memory_suggestion(const TrainConfig& c, int world) {
   if (!c.offload_optimizer) s += " offload_optimizer = true (master, optimizer state and EMA to host memory; stages 1-3),";
   if (!c.offload_params) s += " stage = 3 with offload_params = true (parameter shards to host memory too),";
   if (!c.activation_checkpointing) s += " activation_checkpointing = true,";
-  else if (c.checkpoint_units > 0) s += " checkpoint_units = 0 (recompute every unit),";
+  else if (c.checkpoint_units != "all") s += " checkpoint_units = \"all\" (recompute every unit),";
   if (c.batch_size > 1) s += " a smaller batch_size with accumulation,";
   s += s.empty() ? " more GPUs" : " or more GPUs";
   return s;
@@ -56,7 +56,7 @@ zero::plan::PlanInput plan_input(const TrainConfig& c, const UNetConfig& ucfg, c
   in.gpus_per_host = ranks_per_host;
   in.batch = static_cast<int>(c.batch_size);
   in.activation_checkpointing = c.activation_checkpointing;
-  in.checkpoint_units = static_cast<std::size_t>(c.checkpoint_units);
+  in.checkpoint_units = static_cast<std::size_t>(c.checkpoint_unit_count());
   return in;
 }
 
@@ -99,7 +99,7 @@ const std::vector<FitSetting>& fit_settings() {
        [](TrainConfig& t, const TrainConfig& f) { t.offload_accumulate_on_host = f.offload_accumulate_on_host; }},
       {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
        [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
-      {"checkpoint_units", [](const TrainConfig& c) { return std::to_string(c.checkpoint_units); },
+      {"checkpoint_units", [](const TrainConfig& c) { return c.checkpoint_units; },
        [](TrainConfig& t, const TrainConfig& f) { t.checkpoint_units = f.checkpoint_units; }},
       {"prefetch_units", [](const TrainConfig& c) { return std::to_string(c.prefetch_units); },
        [](TrainConfig& t, const TrainConfig& f) { t.prefetch_units = f.prefetch_units; }},
@@ -122,7 +122,7 @@ TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) 
   t.offload_delayed_update = p.input.engine.offload.delayed_update;
   t.offload_accumulate_on_host = p.input.engine.offload.accumulate_on_host;
   t.activation_checkpointing = p.input.activation_checkpointing;
-  t.checkpoint_units = static_cast<std::int64_t>(p.input.checkpoint_units);
+  t.checkpoint_units = p.input.checkpoint_units == 0 ? "all" : std::to_string(p.input.checkpoint_units);
   t.prefetch_units = p.input.engine.buckets.prefetch_units;
   return t;
 }
@@ -190,7 +190,7 @@ FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput
   in.engine.offload.params = kept.offload_params;
   in.engine.offload.delayed_update = kept.offload_delayed_update;
   in.activation_checkpointing = kept.activation_checkpointing;
-  in.checkpoint_units = static_cast<std::size_t>(kept.checkpoint_units);
+  in.checkpoint_units = static_cast<std::size_t>(kept.checkpoint_unit_count());
   in.engine.buckets.prefetch_units = static_cast<int>(kept.prefetch_units);
   FitDecision d{zero::plan::make_plan(in), ""};
   const std::size_t cap = zero::parse_bytes(c.fit, "fit");
@@ -300,6 +300,50 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
   FitDecision d{chosen_plan, out.str()};
   c = applied;
   return d;
+}
+
+std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options,
+                                   int world, int ranks_per_host, std::size_t gpu_bytes,
+                                   const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit) {
+  if (c.checkpoint_units != "fit") return "";
+  c.checkpoint_units = "all";
+  if (!c.activation_checkpointing) return "";  // nothing is recomputed anyway
+  if (gpu_bytes == 0)
+    return "checkpoint_units = fit: no GPU memory to fit on the CPU; every unit is recomputed\n";
+  const zero::plan::PlanInput base = plan_input(c, ucfg, options, world, ranks_per_host, frozen_sizes_by_unit);
+  const zero::plan::FitOptions search;  // zero-plan --fit's: the upper bound, a 5% margin
+  const std::optional<std::size_t> count = zero::plan::fewest_recomputed_units(base, gpu_bytes, search);
+  const std::size_t total = zero::plan::checkpointable_units(base.units);
+  const std::size_t usable = static_cast<std::size_t>(static_cast<double>(gpu_bytes) * (1 - search.safety_margin));
+  zero::plan::PlanInput every = base;
+  every.checkpoint_units = 0;
+  const zero::plan::Plan all = zero::plan::make_plan(every);
+  std::ostringstream out;
+  out << "checkpoint_units = fit (" << zero::format_bytes(gpu_bytes) << ", " << zero::format_bytes(usable)
+      << " usable): ";
+  if (!count) {
+    out << "not even recomputing every unit fits (predicted peak " << zero::format_bytes(all.gpu_peak())
+        << "); every unit is recomputed\n";
+    return out.str();
+  }
+  if (*count == 0) {
+    c.activation_checkpointing = false;
+    zero::plan::PlanInput none = base;
+    none.activation_checkpointing = false;
+    none.checkpoint_units = 0;
+    out << "nothing is recomputed: the predicted peak without checkpointing, "
+        << zero::format_bytes(zero::plan::make_plan(none).gpu_peak()) << ", fits\n";
+    return out.str();
+  }
+  if (*count < total) c.checkpoint_units = std::to_string(*count);
+  zero::plan::PlanInput chosen = base;
+  chosen.checkpoint_units = *count < total ? *count : 0;
+  const zero::plan::Plan plan = zero::plan::make_plan(chosen);
+  out << "recomputing " << *count << " of " << total
+      << " units (those that free the most activation memory per recompute FLOP), predicted peak "
+      << zero::format_bytes(plan.gpu_peak()) << " (every unit: " << zero::format_bytes(all.gpu_peak())
+      << "), predicted " << images_per_second(plan) << " images/s (every unit: " << images_per_second(all) << ")\n";
+  return out.str();
 }
 
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,

@@ -60,6 +60,17 @@ FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::E
                            int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {},
                            const std::optional<std::string>& resumed_config = std::nullopt);
 
+/// checkpoint_units = "fit": the fewest units (zero::plan::recompute_order)
+/// whose predicted peak (upper bound, the default 5% margin) fits gpu_bytes,
+/// applied to `c` as a count; "all" when only every unit fits, or when not
+/// even that does (a cap then refuses the run); activation_checkpointing
+/// off when nothing needs recomputing. gpu_bytes 0 (the CPU): "all".
+/// Without activation_checkpointing: "all", nothing printed.
+/// Returns the line rank 0 prints (empty unless checkpoint_units was "fit").
+std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options,
+                                   int world, int ranks_per_host, std::size_t gpu_bytes,
+                                   const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {});
+
 /// Once the engine holds its buffers: measures what is in use and gives
 /// LibTorch's caching allocator the rest of the cap, less the engine's
 /// transient peak. Throws zero::OutOfMemory when nothing is left.

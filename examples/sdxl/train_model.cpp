@@ -162,6 +162,12 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicato
   // The memory planner's view of the run (its constants are calibrated for
   // the GPU): printed, and with max_gpu_memory (or fit) checked before anything is allocated.
   const std::size_t cap = gpu_memory_cap(cfg);
+  if (cfg.checkpoint_units == "fit") {
+    const std::size_t budget = cap > 0 ? cap : cfg.device == "cuda" ? runtime.settled_memory().total : 0;
+    const std::string line =
+        resolve_checkpoint_fit(cfg, m.config, options, world, host_comm.local_size(), budget, frozen_sizes_by_unit);
+    if (leader) std::printf("%s", line.c_str());
+  }
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
   if (run_plan)
@@ -175,7 +181,7 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicato
   if (cap > 0 && run_plan) apply_gpu_memory_cap(cfg, cap, m.sharded->engine(), *run_plan, runtime, world, leader);
   m.unet->set_activation_checkpointing(cfg.activation_checkpointing);
   m.unet->set_recomputed_units(recomputed_unit_mask(m.config, unit_granularity_from(cfg.units, "[zero] units"),
-                                                    cfg.latent_size, cfg.checkpoint_units));
+                                                    cfg.latent_size, cfg.checkpoint_unit_count()));
   m.unet->set_channels_last(cfg.channels_last);
   m.unet->set_unit_runner([sharded = m.sharded.get()](std::size_t unit, const variable_list& inputs,
                                                       const UNet2DConditionModelImpl::UnitBody& body, bool recompute) {

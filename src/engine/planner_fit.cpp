@@ -58,35 +58,45 @@ FitResult::Candidate candidate(PlanInput in, const FitOptions& options, std::siz
   return c;
 }
 
-/// Partial checkpointing: from the candidate that recomputes every unit,
-/// the one that recomputes the fewest units in recompute_order() and still
-/// fits, when recomputing none does not fit and every one does. Only the
-/// activations depend on the units recomputed (the engine's buffers do
-/// not), so the count is found on copies of the plan and planned once.
-std::optional<FitResult::Candidate> fewest_recomputed(const FitResult::Candidate& all, const FitOptions& options,
-                                                      std::size_t limit) {
-  const PlanInput& in = all.plan.input;
-  if (!all.fits || in.units.empty()) return std::nullopt;
+/// Partial checkpointing on a plan that recomputes every unit: the fewest
+/// units in recompute_order() whose plan fits `limit` (0: none; the
+/// checkpointable count: every one), nullopt when not even every unit fits.
+/// Only the activations depend on the count (the engine's buffers do not),
+/// so it is found by bisection on copies of the plan.
+std::optional<std::size_t> fewest_count(const Plan& all, const FitOptions& options, std::size_t limit) {
+  const PlanInput& in = all.input;
   const std::size_t total = checkpointable_units(in.units);
   const std::size_t dtype_bytes = size_of(in.engine.param_dtype);
   auto fits_with = [&](std::size_t count) {
-    Plan p = all.plan;  // count 0: no checkpointing; count == total: every unit (as checkpoint_units = 0)
+    Plan p = all;  // count 0: no checkpointing; count == total: every unit (as checkpoint_units = 0)
     p.input.activation_checkpointing = count > 0;
     p.input.checkpoint_units = count < total ? count : 0;
     p.activations = in.activations.bytes(in.batch, recomputed_shares(p.input).first, dtype_bytes);
     return peak_of(p, options) <= limit;
   };
-  if (fits_with(0)) return std::nullopt;  // no checkpointing fits: that candidate is searched already
-  // The peak falls as units are added: the smallest count that fits.
-  std::size_t lo = 1, hi = total;
+  if (!fits_with(total)) return std::nullopt;
+  if (fits_with(0)) return 0;
+  std::size_t lo = 1, hi = total;  // the peak falls as units are added
   while (lo < hi) {
     const std::size_t mid = lo + (hi - lo) / 2;
     if (fits_with(mid)) hi = mid;
     else lo = mid + 1;
   }
-  if (lo >= total) return std::nullopt;  // only every unit fits: that is `all`
+  return lo;
+}
+
+/// The candidate of fit()'s search with partial checkpointing: from the one
+/// that recomputes every unit, the fewest units that fit, when recomputing
+/// none does not fit (that candidate is searched already) and fewer than
+/// every unit do.
+std::optional<FitResult::Candidate> fewest_recomputed(const FitResult::Candidate& all, const FitOptions& options,
+                                                      std::size_t limit) {
+  const PlanInput& in = all.plan.input;
+  if (!all.fits || in.units.empty()) return std::nullopt;
+  const std::optional<std::size_t> count = fewest_count(all.plan, options, limit);
+  if (!count || *count == 0 || *count >= checkpointable_units(in.units)) return std::nullopt;
   PlanInput partial = in;
-  partial.checkpoint_units = lo;
+  partial.checkpoint_units = *count;
   return candidate(std::move(partial), options, limit);
 }
 
@@ -163,6 +173,15 @@ Plan deepest_prefetch(const Plan& plan, std::size_t gpu_bytes, const FitOptions&
     if (c.fits) return std::move(c.plan);
   }
   return plan;
+}
+
+std::optional<std::size_t> fewest_recomputed_units(const PlanInput& base, std::size_t gpu_bytes,
+                                                   const FitOptions& options) {
+  ZERO_CHECK(!base.units.empty(), "fewest_recomputed_units: needs the model as units");
+  PlanInput in = base;
+  in.activation_checkpointing = true;
+  in.checkpoint_units = 0;
+  return fewest_count(make_plan(in), options, usable(gpu_bytes, options));
 }
 
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {

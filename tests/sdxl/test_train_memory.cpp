@@ -1,13 +1,22 @@
 // The trainer's refusal under max_gpu_memory (examples/sdxl/train_memory.cpp),
 // checked on the CPU: plan_gpu_memory runs before anything is allocated and
 // needs no GPU, only a configuration that names device = "cuda".
-#include <doctest/doctest.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "train_memory.hpp"
+
+// LibTorch brings glog's CHECK macros, which would abort instead of
+// reporting: doctest's win.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#include <doctest/doctest.h>
 
 namespace {
 
@@ -117,7 +126,7 @@ std::string options_of(const sdxl::TrainConfig& c) {
          (c.offload_delayed_update ? "true" : "false") +
          (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") + ", activation_checkpointing = " +
          (c.activation_checkpointing ? "true" : "false") +
-         (c.checkpoint_units > 0 ? ", checkpoint_units = " + std::to_string(c.checkpoint_units) : "") +
+         (c.checkpoint_units != "all" ? ", checkpoint_units = " + c.checkpoint_units : "") +
          ", batch_size = " + std::to_string(c.batch_size) +
          ", accumulation = " + std::to_string(c.accumulation) +
          (c.stage == 3 ? ", prefetch_units = " + std::to_string(c.prefetch_units) : "");
@@ -153,16 +162,17 @@ TEST_CASE("fit: the run takes the planner's fastest proposal for its global batc
 
 TEST_CASE("fit: partial checkpointing, the fewest units that fit (SDXL, batch 8 pinned, 80 GiB)") {
   sdxl::TrainConfig c = fit_run();
+  c.units = "layers";
   c.fit = "80GiB";
   c.command_line_keys = {"batch_size"};
   const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
   CHECK(c.batch_size == 8);
   CHECK(c.activation_checkpointing);
-  REQUIRE(c.checkpoint_units > 0);
-  CHECK(c.checkpoint_units < 91);
-  CHECK(d.plan.input.checkpoint_units == static_cast<std::size_t>(c.checkpoint_units));
+  REQUIRE(c.checkpoint_unit_count() > 0);
+  CHECK(c.checkpoint_unit_count() < 91);
+  CHECK(d.plan.input.checkpoint_units == static_cast<std::size_t>(c.checkpoint_unit_count()));
   CHECK(d.plan.gpu_peak() <= static_cast<std::size_t>(0.95 * 80 * zero::plan::kGiB));
-  CHECK(d.report.find("checkpoint_units 0 -> " + std::to_string(c.checkpoint_units)) != std::string::npos);
+  CHECK(d.report.find("checkpoint_units all -> " + c.checkpoint_units) != std::string::npos);
   // One unit fewer does not fit; every unit is slower.
   zero::plan::PlanInput fewer = d.plan.input;
   fewer.checkpoint_units -= 1;
@@ -170,14 +180,72 @@ TEST_CASE("fit: partial checkpointing, the fewest units that fit (SDXL, batch 8 
   zero::plan::PlanInput every = d.plan.input;
   every.checkpoint_units = 0;
   CHECK(zero::plan::make_plan(every).images_per_second() < d.plan.images_per_second());
-  // The configuration's checks: checkpoint_units needs activation_checkpointing.
+  // The configuration's checks: checkpoint_units needs activation_checkpointing, and is all, fit or a count.
   sdxl::TrainConfig bad = fit_run();
-  bad.checkpoint_units = 4;
-  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units = 4 ([train]) chooses the units"),
+  bad.checkpoint_units = "4";
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units = \"4\" ([train]) chooses the units"),
                        zero::InvalidArgument);
-  bad.checkpoint_units = -1;
-  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units ([train]) must be >= 0"),
-                       zero::InvalidArgument);
+  bad.activation_checkpointing = true;
+  CHECK_NOTHROW(bad.validate());
+  CHECK(bad.checkpoint_unit_count() == 4);
+  for (const char* text : {"-1", "0", "some", "", "12x", "1234567"}) {
+    bad.checkpoint_units = text;
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("checkpoint_units ([train]) must be \"all\", \"fit\" or a "
+                                                           "number of units >= 1"),
+                         zero::InvalidArgument);
+  }
+}
+
+TEST_CASE("checkpoint_units = fit: the fewest units for this GPU, none when everything fits, all on the CPU") {
+  sdxl::TrainConfig c = fit_run();
+  c.units = "layers";
+  c.fit.clear();
+  c.activation_checkpointing = true;
+  c.checkpoint_units = "fit";
+  const auto resolve = [&](sdxl::TrainConfig& t, std::size_t gpu) {
+    return sdxl::resolve_checkpoint_fit(t, sdxl::UNetConfig::sdxl_base(), engine_options_of(t), 1, 1, gpu);
+  };
+  // An 80 GiB GPU at batch 8: the same count as [device] fit with the batch pinned (the test above).
+  sdxl::TrainConfig on80 = c;
+  const std::string line = resolve(on80, 80 * zero::plan::kGiB);
+  CAPTURE(line);
+  CHECK(on80.activation_checkpointing);
+  REQUIRE(on80.checkpoint_unit_count() > 0);
+  CHECK(line.find("recomputing " + on80.checkpoint_units + " of 91 units") != std::string::npos);
+  sdxl::TrainConfig pinned = fit_run();
+  pinned.units = "layers";
+  pinned.fit = "80GiB";
+  pinned.command_line_keys = {"batch_size", "stage"};
+  (void)sdxl::fit_gpu_memory(pinned, sdxl::UNetConfig::sdxl_base(), engine_options_of(pinned), 1, 1);
+  CHECK(pinned.checkpoint_units == on80.checkpoint_units);
+  // An H200 (141 GB): nothing needs recomputing.
+  sdxl::TrainConfig h200 = c;
+  CHECK(resolve(h200, 140 * zero::plan::kGiB).find("nothing is recomputed") != std::string::npos);
+  CHECK_FALSE(h200.activation_checkpointing);
+  CHECK(h200.checkpoint_units == "all");
+  CHECK_NOTHROW(h200.validate());
+  // 16 GiB: not even every unit fits on the device (stage 2, no offload): every unit, said so.
+  sdxl::TrainConfig small = c;
+  CHECK(resolve(small, 16 * zero::plan::kGiB).find("not even recomputing every unit fits") != std::string::npos);
+  CHECK(small.activation_checkpointing);
+  CHECK(small.checkpoint_units == "all");
+  // The CPU: every unit.
+  sdxl::TrainConfig cpu = c;
+  CHECK(resolve(cpu, 0).find("on the CPU; every unit") != std::string::npos);
+  CHECK(cpu.checkpoint_units == "all");
+  // Without checkpointing there is nothing to choose (and nothing to refuse).
+  sdxl::TrainConfig off = c;
+  off.activation_checkpointing = false;
+  CHECK_NOTHROW(off.validate());
+  CHECK(resolve(off, 80 * zero::plan::kGiB).empty());
+  CHECK(off.checkpoint_units == "all");
+  CHECK_FALSE(off.activation_checkpointing);
+  // Anything but fit is left as it is.
+  sdxl::TrainConfig given = c;
+  given.checkpoint_units = "12";
+  CHECK(resolve(given, 80 * zero::plan::kGiB).empty());
+  CHECK(given.checkpoint_units == "12");
 }
 
 TEST_CASE("fit: an option given on the command line is kept; faster proposals that change it are named") {

@@ -340,6 +340,15 @@ FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& op
 /// maximum is not above its depth.
 Plan deepest_prefetch(const Plan& plan, std::size_t gpu_bytes, const FitOptions& options = {});
 
+/// Partial checkpointing for one configuration: the fewest units of
+/// recompute_order(base.units) to recompute for the peak (options.estimate)
+/// to fit gpu_bytes less the margin. 0: no checkpointing fits;
+/// checkpointable_units(base.units): only every unit does; nullopt: not even
+/// that. base's activation_checkpointing and checkpoint_units are ignored;
+/// base needs units.
+std::optional<std::size_t> fewest_recomputed_units(const PlanInput& base, std::size_t gpu_bytes,
+                                                   const FitOptions& options = {});
+
 /// For a trainer, before it allocates anything: nullopt when the plan's peak
 /// (options.estimate) fits cap_bytes with the safety margin, else a message
 /// with the prediction, the budget and fit()'s proposal (or suggestions).

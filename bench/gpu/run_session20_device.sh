@@ -2,8 +2,11 @@
 # Session 20 (2026-12-05, no GPU lent): partial activation checkpointing
 # ([train] checkpoint_units, docs/planner.md "Partial checkpointing"), to be
 # measured against the planner's prediction.
-#   PHASES="build partial" TARGETS="train zero-plan" STEPS=12 bash bench/gpu/run_session20_device.sh
+#   PHASES="build bench partial" TARGETS="train zero-plan unet_bench" STEPS=12 bash bench/gpu/run_session20_device.sh
 #  build: the cuda preset (TARGETS: only these);
+#  bench: unet_bench (the UNet alone) at batch 8 recomputing 0 (every unit),
+#         15, 30, 45, 56, 70 and 91 units, and without checkpointing: peak
+#         allocated and time against the count;
 #  partial: sdxl-1024.toml (AdamW + EMA) at batch 8, stage 2, on one GPU:
 #           every unit recomputed, 56 and 30 of the 91 units, none; then the
 #           config's checkpoint_units = "fit" on this GPU (predicted: none)
@@ -15,6 +18,17 @@ set -uo pipefail
 NAME=s20 DEFAULT_PHASES="partial"
 source bench/gpu/device_env.sh
 device_script_begin
+if has bench; then
+  # The UNet alone (no engine, no optimizer): peak allocated and time of
+  # forward+backward at batch 8 against the count recomputed, the
+  # activation side of the planner's interpolation.
+  for units in 0 15 30 45 56 70 91; do
+    "$BUILD/examples/sdxl/unet_bench" --batch 8 --backward --checkpointing --checkpoint_units "$units" --steps 4 \
+      --channels_last --json "$OUT_DIR/unet-bench-partial.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
+  done
+  "$BUILD/examples/sdxl/unet_bench" --batch 8 --backward --steps 4 --channels_last \
+    --json "$OUT_DIR/unet-bench-partial.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
+fi
 if has partial; then
   gb8=$(batch8_config) || exit 1
   for units in all 56 30; do

@@ -92,7 +92,7 @@ void check_model_fits_host(const TrainConfig& cfg, const UNetConfig& ucfg, int r
 /// The UNet (the same initial weights on every rank), its parameters handed
 /// to the engine unit by unit, and every block's forward routed through the
 /// engine (gathers under stage 3, recomputation with checkpointing).
-ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicator& host_comm,
+ModelOnEngine build_model_on_engine(TrainConfig& cfg, zero::MpiCommunicator& host_comm,
                                     DeviceRuntime& runtime) {
   const int world = host_comm.size();
   const bool leader = host_comm.rank() == 0;
@@ -163,7 +163,13 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicato
   // the GPU): printed, and with max_gpu_memory (or fit) checked before anything is allocated.
   const std::size_t cap = gpu_memory_cap(cfg);
   if (cfg.checkpoint_units == "fit") {
-    const std::size_t budget = cap > 0 ? cap : cfg.device == "cuda" ? runtime.settled_memory().total : 0;
+    // Every rank must recompute the same units (stage 3 gathers a
+    // recomputed unit again: the collectives must match), so all fit the
+    // smallest GPU among them.
+    double budget_bytes =
+        static_cast<double>(cap > 0 ? cap : cfg.device == "cuda" ? runtime.settled_memory().total : 0);
+    host_comm.all_reduce_host_f64(&budget_bytes, 1, zero::ReduceOp::min);
+    const auto budget = static_cast<std::size_t>(budget_bytes);
     const std::string line =
         resolve_checkpoint_fit(cfg, m.config, options, world, host_comm.local_size(), budget, frozen_sizes_by_unit);
     if (leader) std::printf("%s", line.c_str());

@@ -32,7 +32,7 @@ struct ModelOnEngine {
 /// Builds the model on the engine for this run. [device] fit may change
 /// `cfg` (batch, accumulation, stage, offload, checkpointing) before the
 /// engine is built from it.
-ModelOnEngine build_model_on_engine(TrainConfig& cfg, const zero::MpiCommunicator& host_comm, DeviceRuntime& runtime);
+ModelOnEngine build_model_on_engine(TrainConfig& cfg, zero::MpiCommunicator& host_comm, DeviceRuntime& runtime);
 
 /// Rank 0's summary: parameters trained and frozen, units, stage, model
 /// state per rank (and the pinned host memory when offloaded).

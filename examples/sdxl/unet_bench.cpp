@@ -22,6 +22,7 @@
 #include "profile_trace.hpp"
 #include "tf32.hpp"
 #include "unet.hpp"
+#include "unet_param_count.hpp"
 #include "zero/core/dtype.hpp"
 
 #if defined(ZERO_WITH_CUDA) && __has_include(<c10/cuda/CUDACachingAllocator.h>)
@@ -35,7 +36,7 @@ namespace {
 
 struct BenchOptions {
   std::string device_name = "cuda", dtype_name = "bf16";
-  std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2;
+  std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2, checkpoint_units = 0;
   bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false, tf32 = false;
   std::string json_path, attention = "default", profile_path;
 };
@@ -50,6 +51,11 @@ void add_options(CLI::App& app, BenchOptions& o) {
   app.add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   app.add_flag("--backward", o.backward, "also run backward of a sum of the output");
   app.add_flag("--checkpointing", o.checkpointing, "recompute each block in backward");
+  app.add_option("--checkpoint_units", o.checkpoint_units,
+                 "with --checkpointing: recompute only this many units, those that free the most activation memory "
+                 "per recompute FLOP (the trainer's checkpoint_units; 0: every unit)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--json", o.json_path, "append one JSON line with the result to this file");
   app.add_option("--attention", o.attention, "scaled-dot-product attention kernel: " + sdxl::attention_backend_choices())
       ->capture_default_str();
@@ -166,7 +172,9 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
   // count scales with the latent area; forward alone is a third of it.
   const double tflop = 20.62 * o.batch * (o.latent * o.latent) / (128.0 * 128.0) / (o.backward ? 1.0 : 3.0);
   const double tflops = tflop / (ms / 1e3);
-  std::cout << (o.backward ? "forward+backward" : "forward") << (o.checkpointing ? " (checkpointing)" : "")
+  const std::string recomputed =
+      o.checkpoint_units > 0 ? " (checkpointing " + std::to_string(o.checkpoint_units) + " units)" : " (checkpointing)";
+  std::cout << (o.backward ? "forward+backward" : "forward") << (o.checkpointing ? recomputed : "")
             << (o.cuda_graph ? " (CUDA graph)" : "") << (o.channels_last ? " (channels-last)" : "")
             << (o.dtype_name == "fp32" ? (o.tf32 ? " (TF32)" : " (strict fp32)") : "") << ", attention "
             << o.attention << ", batch " << o.batch << ", latent " << o.latent << "x" << o.latent << ", "
@@ -176,7 +184,8 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
   if (o.json_path.empty()) return;
   std::ofstream out(o.json_path, std::ios::app);
   out << "{\"pass\": \"" << (o.backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
-      << (o.checkpointing ? "true" : "false") << ", \"cuda_graph\": " << (o.cuda_graph ? "true" : "false")
+      << (o.checkpointing ? "true" : "false") << ", \"checkpoint_units\": " << o.checkpoint_units
+      << ", \"cuda_graph\": " << (o.cuda_graph ? "true" : "false")
       << ", \"channels_last\": " << (o.channels_last ? "true" : "false") << ", \"attention\": \"" << o.attention
       << "\", \"tf32\": " << (o.tf32 ? "true" : "false") << ", \"batch\": " << o.batch << ", \"latent\": " << o.latent << ", \"dtype\": \"" << o.dtype_name
       << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": " << 1e3 * o.batch / ms << ", \"tflops\": " << tflops
@@ -194,6 +203,8 @@ void run_bench(const BenchOptions& o) {
   if (o.cuda_graph || !o.profile_path.empty())
     throw std::invalid_argument("--cuda_graph and --profile need a CUDA build (configure with the cuda preset)");
 #endif
+  if (o.checkpoint_units > 0 && !o.checkpointing)
+    throw std::invalid_argument("--checkpoint_units chooses what --checkpointing recomputes: add --checkpointing");
   const zero::DType dt = zero::parse_dtype(o.dtype_name, "--dtype");
   const torch::ScalarType dtype = dt == zero::DType::fp32   ? torch::kFloat32
                                   : dt == zero::DType::bf16 ? torch::kBFloat16
@@ -205,6 +216,9 @@ void run_bench(const BenchOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   sdxl::UNet2DConditionModel model(sdxl::UNetConfig::sdxl_base(), build);
   model->set_channels_last(o.channels_last);
+  if (o.checkpointing)
+    model->set_recomputed_units(sdxl::recomputed_unit_mask(model->config(), model->unit_granularity(), o.latent,
+                                                           o.checkpoint_units));
   synchronize(device);
   std::cout << "built SDXL UNet (" << model->parameters().size() << " tensors) in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";

@@ -15,6 +15,7 @@
 #include "zero/core/layout.hpp"
 #include "zero/engine/counting_backend.hpp"
 #include "zero/engine/engine.hpp"
+#include "zero/engine/model_steps.hpp"
 #include "plan_json.hpp"
 
 namespace zero::plan {
@@ -145,34 +146,6 @@ std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
   return groups;
 }
 
-// Returns the last step's result.
-StepResult run_steps(Engine& engine, const PlanInput& in, int steps) {
-  const std::size_t units = engine.unit_count();
-  StepResult last;
-  for (int s = 0; s < steps; ++s) {
-    for (int micro = 0; micro < in.engine.accumulation_steps; ++micro) {
-      if (engine.plan().gathers_units) {
-        for (std::size_t u = 0; u < units; ++u) {
-          engine.enter_unit(u, Pass::forward);
-          engine.release_unit(u);
-        }
-      }
-      for (std::size_t u = units; u-- > 0;) {
-        engine.enter_unit(u, Pass::backward);
-        for (std::size_t p : engine.unit_params(u)) {
-          if (engine.frozen(p)) continue;
-          engine.grad_data(p);
-          engine.grad_ready(p);
-        }
-        engine.release_unit(u);
-      }
-      engine.finish_micro_step();
-    }
-    last = engine.step();
-  }
-  return last;
-}
-
 std::string gib_text(std::size_t bytes) { return format_bytes(bytes); }
 
 std::string with_commas(std::size_t n) {
@@ -207,10 +180,10 @@ Plan make_plan(const PlanInput& input) {
   plan.model_state = engine.memory();
   plan.model_state.buffers = 0;
   plan.host_state = engine.host_memory();
-  run_steps(engine, input, 1);
+  run_model_steps(engine, 1);
   comm.reset_traffic();  // the second step is the steady state
   // The pool's calls as step() reports them: what the trainer logs.
-  const StepResult steady = run_steps(engine, input, 1);
+  const StepResult steady = run_model_steps(engine, 1);
   plan.engine.allocations_per_step = steady.block_allocations;
   plan.engine.frees_per_step = steady.block_frees;
   plan.engine.waits_per_step = steady.block_waits;

@@ -10,7 +10,7 @@
 
 #include "zero/comm/mpi_communicator.hpp"
 #include "zero/engine/engine.hpp"
-#include "../engine_driver.hpp"
+#include "zero/engine/model_steps.hpp"
 #include "zero/engine/planner.hpp"
 
 using namespace zero;
@@ -322,7 +322,7 @@ TEST_CASE("the planner's engine bytes are the engine's own accounting, byte for 
     Engine engine(units, o, comm, *backend);
     const MemoryByCategory persistent = engine.memory();
     const DType gdt = o.effective_grad_dtype();
-    testing::run_model_steps(engine, 2, [&](std::size_t p, void* g) {
+    run_model_steps(engine, 2, [&](std::size_t p, void* g) {
       for (std::size_t k = 0; k < engine.params()[p].numel; ++k)
         store_from_float(g, k, gdt, 1e-3f * static_cast<float>((k + p) % 7));
     });

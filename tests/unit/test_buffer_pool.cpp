@@ -17,7 +17,7 @@
 #include "zero/comm/simulated_communicator.hpp"
 #include "zero/engine/counting_backend.hpp"
 #include "zero/engine/engine.hpp"
-#include "../engine_driver.hpp"
+#include "zero/engine/model_steps.hpp"
 
 namespace {
 
@@ -86,9 +86,9 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
     Engine engine(wide ? wide_units() : varied_units(), o, comm, backend);
     // Steady from the third step: the first makes the working set, the
     // second may still trade a block of one size for another.
-    zero::testing::run_model_steps(engine, 2);
+    zero::run_model_steps(engine, 2);
     const Calls after_first = calls_of(backend);
-    zero::testing::run_model_steps(engine, 3);
+    zero::run_model_steps(engine, 3);
     const Calls later = calls_of(backend);
     // 13 units and buckets a pass. Per step: the trim's wait for the two
     // streams (2 calls) and the offloaded step's wait for its copies (1),
@@ -105,7 +105,7 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
     // What step() reports of them (the trainer's engine/block_* metrics):
     // exactly the backend's calls in one step, a wait being one for both
     // streams.
-    const zero::StepResult r = zero::testing::run_model_steps(engine, 1);
+    const zero::StepResult r = zero::run_model_steps(engine, 1);
     const Calls one = calls_of(backend);
     CHECK(r.block_allocations == one.allocations - later.allocations);
     CHECK(r.block_frees == one.deallocations - later.deallocations);
@@ -121,9 +121,9 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
   zero::CountingBackend backend;
   zero::SimulatedCommunicator comm(2);
   Engine engine(varied_units(), o, comm, backend);
-  zero::testing::run_model_steps(engine, 1);
+  zero::run_model_steps(engine, 1);
   const Calls after_first = calls_of(backend);
-  const zero::StepResult r = zero::testing::run_model_steps(engine, 1);
+  const zero::StepResult r = zero::run_model_steps(engine, 1);
   CHECK(calls_of(backend).deallocations - after_first.deallocations >= 2 * varied_units().size());
   CHECK(r.block_frees == calls_of(backend).deallocations - after_first.deallocations);
   CHECK(calls_of(backend).synchronizations - after_first.synchronizations >= 4 * varied_units().size());

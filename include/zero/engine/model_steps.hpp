@@ -1,8 +1,9 @@
-// Drives an Engine as a model does, for tests: forward enters every unit
-// (stage 3), backward enters them in reverse and hands in every gradient,
-// the engine's unit schedule deciding the prefetches (a checkpointed unit's
-// recompute is a backward entry: the same schedule). `write` fills a
-// parameter's gradient before it is declared ready (none: left as zeroed).
+// Drives an Engine as a model's training loop does, without a model:
+// forward enters every unit (stage 3), backward enters them in reverse and
+// hands in every trained parameter's gradient, the engine's unit schedule
+// deciding the prefetches (a checkpointed unit's recompute is a backward
+// entry: the same schedule). The memory planner replays a configuration with
+// it on a CountingBackend; tests drive real backends with it.
 #pragma once
 
 #include <cstddef>
@@ -10,9 +11,12 @@
 
 #include "zero/engine/engine.hpp"
 
-namespace zero::testing {
+namespace zero {
 
-/// Returns the last step's result.
+/// Runs `steps` optimizer steps of engine.options().accumulation_steps
+/// micro-steps each. `write` fills a parameter's gradient before it is
+/// declared ready (none: left as the engine zeroed it). Returns the last
+/// step's result.
 inline StepResult run_model_steps(Engine& engine, int steps,
                                   const std::function<void(std::size_t param, void* grad)>& write = {}) {
   StepResult last;
@@ -40,4 +44,4 @@ inline StepResult run_model_steps(Engine& engine, int steps,
   return last;
 }
 
-}  // namespace zero::testing
+}  // namespace zero

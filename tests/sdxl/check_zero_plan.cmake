@@ -47,6 +47,30 @@ expect("--ema-every 4 leaves the memory alone: ${peak4} vs ${peak1}" peak4 EQUAL
 run_plan(out rc err ${offloaded} --ema-every 0)
 expect("--ema-every 0 is refused" NOT rc EQUAL 0)
 
+# --checkpoint-units: partial checkpointing sits between none and every unit
+# in memory and in time; more units than the model can recompute is an error.
+set(b8 --unet-config sdxl-base --stage 2 --ema --batch 8 --json)
+run_plan(out rc err ${b8})
+string(JSON none_peak GET "${out}" gpu_bytes total_peak)
+string(JSON none_time GET "${out}" relative_time_per_sample)
+run_plan(out rc err ${b8} --checkpointing)
+string(JSON all_peak GET "${out}" gpu_bytes total_peak)
+string(JSON all_time GET "${out}" relative_time_per_sample)
+run_plan(out rc err ${b8} --checkpointing --checkpoint-units 40)
+expect("--checkpoint-units 40 exit status ${rc}: ${err}" rc EQUAL 0)
+string(JSON part_peak GET "${out}" gpu_bytes total_peak)
+string(JSON part_time GET "${out}" relative_time_per_sample)
+string(JSON part_label GET "${out}" label)
+string(JSON part_units GET "${out}" config recomputed_units)
+expect("40 units recomputed: ${part_units}" part_units EQUAL 40)
+expect("label '${part_label}'" part_label MATCHES "checkpointing 40 of 91 units")
+expect("peak with 40 units ${part_peak} between every unit's ${all_peak} and none's ${none_peak}"
+       part_peak GREATER all_peak AND part_peak LESS none_peak)
+expect("time with 40 units ${part_time} between none's ${none_time} and every unit's ${all_time}"
+       "${part_time}" GREATER "${none_time}" AND "${part_time}" LESS "${all_time}")
+run_plan(out rc err ${b8} --checkpointing --checkpoint-units 92)
+expect("--checkpoint-units 92 refused naming the count: ${err}" NOT rc EQUAL 0 AND err MATCHES "91 checkpointable units")
+
 # The readable table by default.
 run_plan(out rc err --unet-config sdxl-base --stage 3 --offload-optimizer --world-size 8 --ema)
 expect("table exit status ${rc}: ${err}" rc EQUAL 0)

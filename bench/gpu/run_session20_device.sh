@@ -3,9 +3,11 @@
 # ([train] checkpoint_units, docs/planner.md "Partial checkpointing"), to be
 # measured against the planner's prediction.
 #   PHASES="build bench partial" TARGETS="train zero-plan unet_bench" STEPS=12 bash bench/gpu/run_session20_device.sh
+#   (RUNS: which partial runs, default "all 56 30 none fit fit-cap80"; UNITS:
+#   unet_bench's counts, default "0 30 56 70")
 #  build: the cuda preset (TARGETS: only these);
 #  bench: unet_bench (the UNet alone) at batch 8 recomputing 0 (every unit),
-#         15, 30, 45, 56, 70 and 91 units, and without checkpointing: peak
+#         30, 56 and 70 units, and without checkpointing: peak
 #         allocated and time against the count;
 #  partial: sdxl-1024.toml (AdamW + EMA) at batch 8, stage 2, on one GPU:
 #           every unit recomputed, 56 and 30 of the 91 units, none; then the
@@ -22,7 +24,7 @@ if has bench; then
   # The UNet alone (no engine, no optimizer): peak allocated and time of
   # forward+backward at batch 8 against the count recomputed, the
   # activation side of the planner's interpolation.
-  for units in 0 15 30 45 56 70 91; do
+  for units in ${UNITS:-0 30 56 70}; do
     "$BUILD/examples/sdxl/unet_bench" --batch 8 --backward --checkpointing --checkpoint_units "$units" --steps 4 \
       --channels_last --json "$OUT_DIR/unet-bench-partial.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
   done
@@ -31,19 +33,22 @@ if has bench; then
 fi
 if has partial; then
   gb8=$(batch8_config) || exit 1
-  for units in all 56 30; do
-    count=$units; [ "$units" = all ] && count=0
-    "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage 2 --batch 8 --checkpointing \
-      --checkpoint-units "$count" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
-print('zero-plan, checkpoint_units $units:', p['label'], '- peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
-      | tee -a "$LOG"
-    CONFIG=$gb8 run_trainer "sdxl-partial-units$units-stage2-b8" 150 --stage 2 --checkpoint_units "$units"
+  for run in ${RUNS:-all 56 30 none fit fit-cap80}; do
+    case $run in
+      none) CONFIG=$gb8 run_trainer "sdxl-partial-none-stage2-b8" 150 --stage 2 --activation_checkpointing false ;;
+      # The config's default (checkpoint_units = "fit") on this GPU, and
+      # capped at an 80 GB card's memory: the trainer picks the count.
+      fit) CONFIG=$gb8 run_trainer "sdxl-partial-fit-stage2-b8" 150 --stage 2 ;;
+      fit-cap80) CONFIG=$gb8 run_trainer "sdxl-partial-fit-cap80-stage2-b8" 150 --stage 2 --max_gpu_memory 80GiB ;;
+      *)
+        count=$run; [ "$run" = all ] && count=0
+        "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage 2 --batch 8 --checkpointing \
+          --checkpoint-units "$count" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
+print('zero-plan, checkpoint_units $run:', p['label'], '- peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
+          | tee -a "$LOG"
+        CONFIG=$gb8 run_trainer "sdxl-partial-units$run-stage2-b8" 150 --stage 2 --checkpoint_units "$run" ;;
+    esac
   done
-  CONFIG=$gb8 run_trainer "sdxl-partial-none-stage2-b8" 150 --stage 2 --activation_checkpointing false
-  # The config's default (checkpoint_units = "fit") on this GPU, and capped
-  # at an 80 GB card's memory: the trainer picks the count.
-  CONFIG=$gb8 run_trainer "sdxl-partial-fit-stage2-b8" 150 --stage 2
-  CONFIG=$gb8 run_trainer "sdxl-partial-fit-cap80-stage2-b8" 150 --stage 2 --max_gpu_memory 80GiB
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 say "done"

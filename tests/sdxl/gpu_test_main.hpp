@@ -9,15 +9,8 @@
 #include <string_view>
 #include <vector>
 
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
 #define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "../doctest_after_torch.hpp"  // after LibTorch: doctest's CHECK, not glog's
 
 int main(int argc, char** argv) {
   std::vector<char*> args;

@@ -19,16 +19,8 @@
 #include "zero/core/error.hpp"
 #include "zero/io/safetensors.hpp"
 
-// LibTorch builds with glog define CHECK* macros; doctest's must win.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "../doctest_after_torch.hpp"  // after LibTorch: doctest's CHECK, not glog's
 
 namespace fs = std::filesystem;
 using nlohmann::json;

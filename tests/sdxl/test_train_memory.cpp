@@ -7,16 +7,7 @@
 
 #include "train_memory.hpp"
 
-// LibTorch brings glog's CHECK macros, which would abort instead of
-// reporting: doctest's win.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
+#include "../doctest_after_torch.hpp"  // after LibTorch: doctest's CHECK, not glog's
 
 namespace {
 

@@ -19,17 +19,8 @@
 #include "unet_param_count.hpp"
 #include "zero/core/error.hpp"
 
-// LibTorch builds with glog (Debian's 1.13) define CHECK* macros through
-// c10/util/Logging.h; doctest's must win, so it is included last.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "../doctest_after_torch.hpp"  // after LibTorch: doctest's CHECK, not glog's
 
 namespace fs = std::filesystem;
 using torch::Tensor;

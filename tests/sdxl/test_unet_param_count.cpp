@@ -5,14 +5,7 @@
 #include "unet_config.hpp"
 #include "unet_param_count.hpp"
 
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#include <doctest/doctest.h>
+#include "../doctest_after_torch.hpp"  // after LibTorch: doctest's CHECK, not glog's
 
 #include <filesystem>
 #include <fstream>

@@ -312,12 +312,12 @@ std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const
     return "checkpoint_units = fit: no GPU memory to fit on the CPU; every unit is recomputed\n";
   const zero::plan::PlanInput base = plan_input(c, ucfg, options, world, ranks_per_host, frozen_sizes_by_unit);
   const zero::plan::FitOptions search;  // zero-plan --fit's: the upper bound, a 5% margin
-  const std::optional<std::size_t> count = zero::plan::fewest_recomputed_units(base, gpu_bytes, search);
-  const std::size_t total = zero::plan::checkpointable_units(base.units);
-  const std::size_t usable = static_cast<std::size_t>(static_cast<double>(gpu_bytes) * (1 - search.safety_margin));
   zero::plan::PlanInput every = base;
   every.checkpoint_units = 0;
   const zero::plan::Plan all = zero::plan::make_plan(every);
+  const std::optional<std::size_t> count = zero::plan::fewest_recomputed_units(all, gpu_bytes, search);
+  const std::size_t total = zero::plan::checkpointable_units(base.units);
+  const std::size_t usable = static_cast<std::size_t>(static_cast<double>(gpu_bytes) * (1 - search.safety_margin));
   std::ostringstream out;
   out << "checkpoint_units = fit (" << zero::format_bytes(gpu_bytes) << ", " << zero::format_bytes(usable)
       << " usable): ";

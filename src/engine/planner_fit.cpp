@@ -184,6 +184,16 @@ std::optional<std::size_t> fewest_recomputed_units(const PlanInput& base, std::s
   return fewest_count(make_plan(in), options, usable(gpu_bytes, options));
 }
 
+std::optional<std::size_t> fewest_recomputed_units(const Plan& every_unit, std::size_t gpu_bytes,
+                                                   const FitOptions& options) {
+  const PlanInput& in = every_unit.input;
+  ZERO_CHECK(!in.units.empty(), "fewest_recomputed_units: needs the model as units");
+  ZERO_CHECK(in.activation_checkpointing && in.checkpoint_units == 0,
+             "fewest_recomputed_units: the plan must recompute every unit (checkpoint_units 0), got ",
+             in.activation_checkpointing ? std::to_string(in.checkpoint_units) + " units" : "no checkpointing");
+  return fewest_count(every_unit, options, usable(gpu_bytes, options));
+}
+
 FitResult fit(const PlanInput& base, std::size_t gpu_bytes, const FitOptions& options) {
   ZERO_CHECK(gpu_bytes > 0, "fit: the GPU budget must be positive");
   ZERO_CHECK(options.safety_margin >= 0 && options.safety_margin < 1, "fit: safety_margin must be in [0, 1), got ",

@@ -819,6 +819,42 @@ TEST_CASE("fit: partial checkpointing where no checkpointing does not fit and ev
   for (const auto& c : roomy.candidates) CHECK(c.plan.input.checkpoint_units == 0);
 }
 
+TEST_CASE("fewest_recomputed_units: none, some, every unit or not even that, from the input or the every-unit plan") {
+  plan::PlanInput in = weighted_input();
+  in.batch = 8;
+  in.engine.stage = 2;
+  in.activation_checkpointing = false;
+  const plan::Plan none = plan::make_plan(in);
+  in.activation_checkpointing = true;
+  const plan::Plan all = plan::make_plan(in);
+  const std::size_t total = plan::checkpointable_units(in.units);
+  REQUIRE(all.gpu_peak() < none.gpu_peak());
+  auto gpu_for = [](double usable) { return static_cast<std::size_t>(usable / 0.95); };
+  const std::size_t between = gpu_for(0.5 * static_cast<double>(none.gpu_peak() + all.gpu_peak()));
+  for (std::size_t gpu : {gpu_for(static_cast<double>(none.gpu_peak()) * 1.01), between,
+                          gpu_for(static_cast<double>(all.gpu_peak()) * 1.0001),
+                          gpu_for(static_cast<double>(all.gpu_peak()) * 0.99)}) {
+    CAPTURE(gpu);
+    const auto from_input = plan::fewest_recomputed_units(in, gpu);
+    const auto from_plan = plan::fewest_recomputed_units(all, gpu);
+    CHECK(from_input == from_plan);
+    if (gpu == between) {
+      REQUIRE(from_plan.has_value());
+      CHECK(*from_plan > 0);
+      CHECK(*from_plan < total);
+    }
+  }
+  CHECK(plan::fewest_recomputed_units(all, gpu_for(static_cast<double>(none.gpu_peak()) * 1.01)) == 0u);
+  CHECK(plan::fewest_recomputed_units(all, gpu_for(static_cast<double>(all.gpu_peak()) * 0.99)) == std::nullopt);
+  // The every-unit plan is what the overload searches from; another is refused by name.
+  CHECK_THROWS_WITH_AS(plan::fewest_recomputed_units(none, between), doctest::Contains("every unit"),
+                       InvalidArgument);
+  plan::PlanInput some = in;
+  some.checkpoint_units = 3;
+  CHECK_THROWS_WITH_AS(plan::fewest_recomputed_units(plan::make_plan(some), between),
+                       doctest::Contains("got 3 units"), InvalidArgument);
+}
+
 TEST_CASE("fit: a base with partial checkpointing is searched like any other (none, every unit, the fewest)") {
   plan::PlanInput in = weighted_input();
   in.batch = 8;

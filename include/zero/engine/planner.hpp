@@ -348,6 +348,10 @@ Plan deepest_prefetch(const Plan& plan, std::size_t gpu_bytes, const FitOptions&
 /// base needs units.
 std::optional<std::size_t> fewest_recomputed_units(const PlanInput& base, std::size_t gpu_bytes,
                                                    const FitOptions& options = {});
+/// The same from the plan that recomputes every unit (activation
+/// checkpointing on, checkpoint_units 0), for a caller that has made it.
+std::optional<std::size_t> fewest_recomputed_units(const Plan& every_unit, std::size_t gpu_bytes,
+                                                   const FitOptions& options = {});
 
 /// For a trainer, before it allocates anything: nullopt when the plan's peak
 /// (options.estimate) fits cap_bytes with the safety margin, else a message

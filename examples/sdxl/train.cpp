@@ -41,6 +41,7 @@
 #include "train_output_dir.hpp"         // claim_output_dir: writable, locked, no earlier run overwritten
 #include "train_lora.hpp"               // [lora]: adapters on the frozen UNet, their export
 #include "train_metrics.hpp"            // MetricsSinks, StepMeasures, record_step: what rank 0 records
+#include "train_memory.hpp"             // out_of_memory_advice: what to change when a step runs out
 #include "train_model.hpp"              // ModelOnEngine: the UNet bound to the engine
 #include "train_validation.hpp"         // [validation]: sample images while training
 #include "torch_errors.hpp"             // with_torch_errors: LibTorch's errors in one line
@@ -446,8 +447,7 @@ StepsEnd train_steps(Run& run) {
           "step " + std::to_string(step + 1) + ": forward and backward of batch_size " +
               std::to_string(cfg.batch_size) + " at latent_size " + std::to_string(cfg.latent_size) +
               run.model.memory_plan_note,
-          "lower batch_size (accumulation keeps the global batch) or latent_size, or set activation_checkpointing "
-          "= true",
+          out_of_memory_advice(cfg),
           [&] { return run_micro_step(run, loop, step, micro); });
     ++loop.eager_steps_done;
     m.step_call = Clock::now();

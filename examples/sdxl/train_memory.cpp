@@ -346,6 +346,20 @@ std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const
   return out.str();
 }
 
+std::string out_of_memory_advice(const TrainConfig& c) {
+  const std::string smaller = "lower batch_size (accumulation_steps keeps the global batch) or latent_size";
+  if (!c.activation_checkpointing)
+    return "set activation_checkpointing = true (with checkpoint_units = \"fit\": only the units this GPU needs "
+           "recomputed), or " + smaller;
+  if (const std::int64_t count = c.checkpoint_unit_count(); count > 0)
+    return "recompute more units: checkpoint_units = " + std::to_string(count) +
+           " now (\"all\" recomputes every one), or " + smaller;
+  std::string advice = smaller;
+  if (c.stage < 3) advice += ", or raise stage (3 shards the parameters too)";
+  if (!c.offload_optimizer && c.stage >= 1) advice += ", or set offload_optimizer = true";
+  return advice + "; zero-plan --fit SIZE proposes settings that fit";
+}
+
 std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNetConfig& ucfg,
                                                 zero::EngineOptions& options, std::size_t cap, int world,
                                                 int ranks_per_host, bool leader,

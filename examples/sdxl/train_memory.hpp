@@ -71,6 +71,12 @@ std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const
                                    int world, int ranks_per_host, std::size_t gpu_bytes,
                                    const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit = {});
 
+/// What to change when a micro-step's forward and backward run out of GPU
+/// memory, from the run's settings (after checkpoint_units = "fit" was
+/// resolved): recompute more units where only some are, turn checkpointing
+/// on where it is off, else a smaller batch or latent size, or offload.
+std::string out_of_memory_advice(const TrainConfig& c);
+
 /// Once the engine holds its buffers: measures what is in use and gives
 /// LibTorch's caching allocator the rest of the cap, less the engine's
 /// transient peak. Throws zero::OutOfMemory when nothing is left.

@@ -399,3 +399,44 @@ TEST_CASE("fit: the configuration's checks (fit with max_gpu_memory)") {
   c.device = "cpu";
   CHECK(sdxl::gpu_memory_cap(c) == 0);  // nothing to cap on the CPU; the choice is still made
 }
+
+TEST_CASE("out of memory in forward and backward: the advice follows the run's checkpointing and sharding") {
+  sdxl::TrainConfig c = issue_20_run();
+  auto has = [](const std::string& text, const char* part) {
+    CAPTURE(text);
+    CAPTURE(part);
+    return text.find(part) != std::string::npos;
+  };
+  // Some units recomputed (a count, or what checkpoint_units = "fit" chose): recompute more.
+  c.activation_checkpointing = true;
+  c.checkpoint_units = "56";
+  std::string advice = sdxl::out_of_memory_advice(c);
+  CHECK(has(advice, "recompute more units: checkpoint_units = 56 now"));
+  CHECK(has(advice, "\"all\" recomputes every one"));
+  CHECK(has(advice, "lower batch_size"));
+  // None recomputed: turn checkpointing on.
+  c.activation_checkpointing = false;
+  c.checkpoint_units = "all";
+  advice = sdxl::out_of_memory_advice(c);
+  CHECK(has(advice, "set activation_checkpointing = true"));
+  CHECK_FALSE(has(advice, "recompute more units"));
+  // Every unit recomputed: only sharding, offload or smaller batches are left, as the run allows.
+  c.activation_checkpointing = true;
+  c.stage = 2;
+  c.offload_optimizer = false;
+  c.offload_params = false;
+  advice = sdxl::out_of_memory_advice(c);
+  CHECK_FALSE(has(advice, "activation_checkpointing"));
+  CHECK(has(advice, "raise stage"));
+  CHECK(has(advice, "offload_optimizer = true"));
+  CHECK(has(advice, "zero-plan --fit"));
+  c.stage = 3;
+  c.offload_optimizer = true;
+  advice = sdxl::out_of_memory_advice(c);
+  CHECK_FALSE(has(advice, "raise stage"));
+  CHECK_FALSE(has(advice, "offload_optimizer = true"));
+  CHECK(has(advice, "lower batch_size"));
+  c.stage = 0;
+  c.offload_optimizer = false;
+  CHECK_FALSE(has(sdxl::out_of_memory_advice(c), "offload_optimizer"));  // stage 0 cannot offload
+}

@@ -776,17 +776,30 @@ TEST_CASE("plan: checkpoint_units errors name the field") {
   CHECK_THROWS_WITH_AS(plan::make_plan(bare), doctest::Contains("needs the model as units"), InvalidArgument);
 }
 
-TEST_CASE("fit: partial checkpointing where no checkpointing does not fit and every unit does") {
+/// weighted_input() at batch 8, stage 2, recomputing every unit, and its
+/// plans without checkpointing and with every unit recomputed.
+struct CheckpointEnds {
   plan::PlanInput in = weighted_input();
-  in.batch = 8;
-  in.engine.stage = 2;
-  in.activation_checkpointing = false;
-  const plan::Plan none = plan::make_plan(in);
-  in.activation_checkpointing = true;
-  const plan::Plan all = plan::make_plan(in);
-  // A GPU whose usable part lies between the two peaks of stage 2 on the device.
-  const double usable = 0.5 * static_cast<double>(none.gpu_peak() + all.gpu_peak());
-  const auto gpu = static_cast<std::size_t>(usable / 0.95);
+  plan::Plan none, all;
+  CheckpointEnds() {
+    in.batch = 8;
+    in.engine.stage = 2;
+    in.activation_checkpointing = false;
+    none = plan::make_plan(in);
+    in.activation_checkpointing = true;
+    all = plan::make_plan(in);
+  }
+  /// A GPU whose usable part (less the 5% margin) lies between the two peaks.
+  std::size_t gpu_between() const {
+    return static_cast<std::size_t>(0.5 * static_cast<double>(none.gpu_peak() + all.gpu_peak()) / 0.95);
+  }
+};
+
+TEST_CASE("fit: partial checkpointing where no checkpointing does not fit and every unit does") {
+  const CheckpointEnds ends;
+  const plan::PlanInput& in = ends.in;
+  const plan::Plan& none = ends.none;
+  const std::size_t gpu = ends.gpu_between();
   const plan::FitResult r = plan::fit(in, gpu, {});
   REQUIRE(r.best.has_value());
   bool stage2_partial = false;
@@ -820,17 +833,14 @@ TEST_CASE("fit: partial checkpointing where no checkpointing does not fit and ev
 }
 
 TEST_CASE("fewest_recomputed_units: none, some, every unit or not even that, from the input or the every-unit plan") {
-  plan::PlanInput in = weighted_input();
-  in.batch = 8;
-  in.engine.stage = 2;
-  in.activation_checkpointing = false;
-  const plan::Plan none = plan::make_plan(in);
-  in.activation_checkpointing = true;
-  const plan::Plan all = plan::make_plan(in);
+  const CheckpointEnds ends;
+  const plan::PlanInput& in = ends.in;
+  const plan::Plan& none = ends.none;
+  const plan::Plan& all = ends.all;
   const std::size_t total = plan::checkpointable_units(in.units);
   REQUIRE(all.gpu_peak() < none.gpu_peak());
   auto gpu_for = [](double usable) { return static_cast<std::size_t>(usable / 0.95); };
-  const std::size_t between = gpu_for(0.5 * static_cast<double>(none.gpu_peak() + all.gpu_peak()));
+  const std::size_t between = ends.gpu_between();
   for (std::size_t gpu : {gpu_for(static_cast<double>(none.gpu_peak()) * 1.01), between,
                           gpu_for(static_cast<double>(all.gpu_peak()) * 1.0001),
                           gpu_for(static_cast<double>(all.gpu_peak()) * 0.99)}) {

@@ -347,7 +347,7 @@ std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const
 }
 
 std::string out_of_memory_advice(const TrainConfig& c) {
-  const std::string smaller = "lower batch_size (accumulation_steps keeps the global batch) or latent_size";
+  const std::string smaller = "lower batch_size (raising accumulation keeps the global batch) or latent_size";
   if (!c.activation_checkpointing)
     return "set activation_checkpointing = true (with checkpoint_units = \"fit\": only the units this GPU needs "
            "recomputed), or " + smaller;

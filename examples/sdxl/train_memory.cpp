@@ -349,8 +349,9 @@ std::string resolve_checkpoint_fit(TrainConfig& c, const UNetConfig& ucfg, const
 std::string out_of_memory_advice(const TrainConfig& c) {
   const std::string smaller = "lower batch_size (raising accumulation keeps the global batch) or latent_size";
   if (!c.activation_checkpointing)
-    return "set activation_checkpointing = true (with checkpoint_units = \"fit\": only the units this GPU needs "
-           "recomputed), or " + smaller;
+    return c.device == "cuda" ? "set activation_checkpointing = true (with checkpoint_units = \"fit\": only the "
+                                "units this GPU needs recomputed), or " + smaller
+                              : "set activation_checkpointing = true, or " + smaller;
   if (const std::int64_t count = c.checkpoint_unit_count(); count > 0)
     return "recompute more units: checkpoint_units = " + std::to_string(count) +
            " now (\"all\" recomputes every one), or " + smaller;

@@ -418,8 +418,11 @@ TEST_CASE("out of memory in forward and backward: the advice follows the run's c
   c.activation_checkpointing = false;
   c.checkpoint_units = "all";
   advice = sdxl::out_of_memory_advice(c);
-  CHECK(has(advice, "set activation_checkpointing = true"));
+  CHECK(has(advice, "set activation_checkpointing = true (with checkpoint_units = \"fit\""));
   CHECK_FALSE(has(advice, "recompute more units"));
+  sdxl::TrainConfig on_cpu = c;
+  on_cpu.device = "cpu";  // no GPU to fit: checkpointing itself is the advice
+  CHECK(sdxl::out_of_memory_advice(on_cpu).rfind("set activation_checkpointing = true, or lower batch_size", 0) == 0);
   // Every unit recomputed: only sharding, offload or smaller batches are left, as the run allows.
   c.activation_checkpointing = true;
   c.stage = 2;

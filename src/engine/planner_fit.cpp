@@ -181,7 +181,7 @@ std::optional<std::size_t> fewest_recomputed_units(const PlanInput& base, std::s
   PlanInput in = base;
   in.activation_checkpointing = true;
   in.checkpoint_units = 0;
-  return fewest_count(make_plan(in), options, usable(gpu_bytes, options));
+  return fewest_recomputed_units(make_plan(in), gpu_bytes, options);
 }
 
 std::optional<std::size_t> fewest_recomputed_units(const Plan& every_unit, std::size_t gpu_bytes,

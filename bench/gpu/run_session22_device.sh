@@ -18,7 +18,7 @@ NAME=s22 DEFAULT_PHASES="build tests speed"
 source bench/gpu/device_env.sh
 if has build; then
   build_targets train zero_gpu_engine_tests
-  if [ ! -d runs/base/.git ]; then git clone -q runs/base.bundle runs/base || exit 1; fi
+  if [ ! -d runs/base/.git ]; then git clone -q -b main runs/base.bundle runs/base || exit 1; fi
   cp -r .deps runs/base/ 2>/dev/null
   (cd runs/base && git log --oneline -1 && source tools/gpu-common.sh && gpu_check_prerequisites && gpu_build train) \
     2>&1 | tail -3 | tee -a "$LOG"

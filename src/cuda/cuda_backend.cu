@@ -134,10 +134,13 @@ class CudaBackend final : public Backend {
   void stream_wait_external(Stream waiter, Event event) override {
     ZERO_CHECK(event != nullptr, "stream_wait_external: null event");
     DeviceGuard guard(device_);
-    // The flag matters only while `waiter` is capturing: the graph keeps a
-    // wait on the event itself, not on a record made inside the capture.
-    ZERO_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(event),
-                                        cudaEventWaitExternal));
+    // While `waiter` is capturing, the graph keeps a wait on the event
+    // itself, not on a record made inside the capture. The flag is refused
+    // outside a capture (cudaErrorIllegalState).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    ZERO_CHECK_CUDA(cudaStreamIsCapturing(static_cast<cudaStream_t>(waiter), &capture));
+    const unsigned flags = capture == cudaStreamCaptureStatusActive ? cudaEventWaitExternal : cudaEventWaitDefault;
+    ZERO_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(event), flags));
   }
 
   void release_event(Event event) override {

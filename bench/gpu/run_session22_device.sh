@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Session 22 (2026-12-06): stage 0's update beside the next forward
-# (Engine::Impl::update_beside_forward), against the commit before it.
+# (Engine::Impl::update_beside_forward, commits c64c4d6 and 2b42327), against
+# the commit before it. Measured slower on an H100 and reverted (see
+# docs/perf-notes.md, session 22); kept to rerun such an A/B: check out the
+# change, bundle main before it as runs/base.bundle.
 # Here: mkdir -p runs && git bundle create runs/base.bundle main (before committing the change);
 # device calls carry .deps and runs/base.bundle.
 #   PHASES="build tests" bash bench/gpu/run_session22_device.sh

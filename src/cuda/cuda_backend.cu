@@ -118,31 +118,6 @@ class CudaBackend final : public Backend {
         cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(event), 0));
   }
 
-  Event create_event() override {
-    DeviceGuard guard(device_);
-    cudaEvent_t event = nullptr;
-    ZERO_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    return event;
-  }
-
-  void record_event_at(Event event, Stream stream) override {
-    ZERO_CHECK(event != nullptr, "record_event_at: null event");
-    DeviceGuard guard(device_);
-    ZERO_CHECK_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
-  }
-
-  void stream_wait_external(Stream waiter, Event event) override {
-    ZERO_CHECK(event != nullptr, "stream_wait_external: null event");
-    DeviceGuard guard(device_);
-    // While `waiter` is capturing, the graph keeps a wait on the event
-    // itself, not on a record made inside the capture. The flag is refused
-    // outside a capture (cudaErrorIllegalState).
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    ZERO_CHECK_CUDA(cudaStreamIsCapturing(static_cast<cudaStream_t>(waiter), &capture));
-    const unsigned flags = capture == cudaStreamCaptureStatusActive ? cudaEventWaitExternal : cudaEventWaitDefault;
-    ZERO_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(event), flags));
-  }
-
   void release_event(Event event) override {
     if (event == nullptr) return;
     // Destroying a recorded event that has not completed is allowed: its

@@ -32,6 +32,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     auto gathers = m_.gather_buckets(
         m_.grads_full, m_.gdt, [&](std::size_t b) -> const void* { return m_.reduced_grad(b); }, false);
     for (auto& g : gathers) m_.wait_for_collective(*g);
+    m_.order_after(compute, be.comm_stream());
     float* weights = full_weights();
     ShardUpdate u;
     u.master = weights;
@@ -42,27 +43,8 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.model_copy = copy ? m_.params_full : nullptr;
     u.model_dtype = m_.pdt;
     u.count = m_.layout.padded_numel();
-    if (!m_.update_beside_forward) {
-      m_.order_after(compute, be.comm_stream());
-      update(args, m_.full_segments, u, compute);
-      if (m_.ema && args.ema_decay > 0) be.ema_update(m_.ema, weights, m_.layout.padded_numel(), args.ema_decay, compute);
-      return;
-    }
-    // Beside the next forward (Impl::update_beside_forward): on the comm
-    // stream, after backward's gradients and the statistics, bucket by bucket
-    // in unit order, each bucket's gradients zeroed after its update (the
-    // next backward writes them after its forward waited for the bucket).
-    const Stream side = be.comm_stream();
-    m_.order_after(side, compute);
-    for (std::size_t b = 0; b < buckets.size(); ++b) {
-      const std::size_t begin = buckets[b].offset, count = buckets[b].padded;
-      update(args, m_.bucket_full_segments[b], u.slice(begin, count), side);
-      if (m_.ema && args.ema_decay > 0) be.ema_update(m_.ema + begin, weights + begin, count, args.ema_decay, side);
-      be.fill_zero(m_.grads_full + begin * m_.g_size, count * m_.g_size, side);
-      if (m_.params_ready[b]) be.record_event_at(m_.params_ready[b], side);
-      m_.params_pending[b] = 1;
-    }
-    m_.grads_zeroed_by_update = true;
+    update(args, m_.full_segments, u);
+    if (m_.ema && args.ema_decay > 0) be.ema_update(m_.ema, weights, m_.layout.padded_numel(), args.ema_decay, compute);
     return;
   }
   for (std::size_t b = 0; b < buckets.size(); ++b) {
@@ -75,7 +57,7 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.model_copy = copy ? m_.own_params(b) : nullptr;
     u.model_dtype = m_.pdt;
     u.count = buckets[b].shard_size;
-    update(args, m_.segments[b], u, compute);
+    update(args, m_.segments[b], u);
   }
   if (m_.ema && args.ema_decay > 0)  // 0: a step between two EMA updates (EmaOptions::every)
     for (std::size_t b = 0; b < buckets.size(); ++b)
@@ -92,12 +74,12 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
 }
 
 void DeviceUpdater::update(const UpdateArgs& args, const std::vector<Engine::Impl::Segment>& segments,
-                           const ShardUpdate& u, Stream stream) {
+                           const ShardUpdate& u) {
   // One launch per run of a group: a single launch over the span without groups.
   for (const Engine::Impl::Segment& s : segments)
     m_.backend.optimizer_step(args.groups[static_cast<std::size_t>(s.group)].optimizer,
                               args.groups[static_cast<std::size_t>(s.group)].scalars, u.slice(s.begin, s.count),
-                              stream);
+                              m_.backend.compute_stream());
 }
 
 void DeviceUpdater::parameters_from_master() {

@@ -101,17 +101,6 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   for (std::size_t b = 0; b < buckets; ++b)
     segments.push_back(segments_of(own_offset(b), own_offset(b) + layout.buckets()[b].shard_size));
   full_segments = segments_of(0, layout.padded_numel());
-  // Also on the host backend (no events; its streams are the host): the
-  // same per-bucket update, so the CPU tests check its bits.
-  update_beside_forward = plan.optimizer_full && !plan.optimizer_on_host;
-  if (update_beside_forward) {
-    for (std::size_t b = 0; b < buckets; ++b) {
-      const Bucket& bucket = layout.buckets()[b];
-      bucket_full_segments.push_back(segments_of(bucket.offset, bucket.offset + bucket.padded));
-      params_ready.push_back(backend.create_event());
-    }
-    params_pending.assign(buckets, 0);
-  }
 }
 
 std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std::size_t hi) const {
@@ -147,7 +136,6 @@ Engine::Impl::~Impl() {
   updater.reset();  // joins a delayed update before the state it writes goes
   pending.clear();  // Work destructors wait
   param_gathers.clear();
-  for (Event e : params_ready) backend.release_event(e);
   unit_work.clear();
   frozen_unit_work.clear();
   for (std::size_t u = 0; u < frozen_unit_buffer.size(); ++u)
@@ -235,22 +223,15 @@ void Engine::Impl::check_gathers() {
   for (; !gathers_to_check.empty(); gathers_to_check.pop_front()) wait_for_collective(*gathers_to_check.front());
 }
 
-void Engine::Impl::wait_for_update(std::size_t b) {
-  if (params_pending.empty() || !params_pending[b]) return;
-  params_pending[b] = 0;
-  backend.stream_wait_external(backend.compute_stream(), params_ready[b]);
-}
-
-void Engine::Impl::finish_param_gather(std::size_t b, bool leave_update) {
-  if (!leave_update) wait_for_update(b);
+void Engine::Impl::finish_param_gather(std::size_t b) {
   if (!param_gathers[b]) return;
   wait_for_collective(*param_gathers[b]);
   param_gathers[b].reset();
   order_after(backend.compute_stream(), backend.comm_stream());
 }
 
-void Engine::Impl::finish_param_gathers(bool leave_updates) {
-  for (std::size_t b = 0; b < param_gathers.size(); ++b) finish_param_gather(b, leave_updates);
+void Engine::Impl::finish_param_gathers() {
+  for (std::size_t b = 0; b < param_gathers.size(); ++b) finish_param_gather(b);
   // Stage 3's unit gathers too: with offload_params they read the host shard
   // that the CPU update writes, and every caller is about to touch the state.
   check_gathers();

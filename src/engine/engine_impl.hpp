@@ -174,28 +174,8 @@ struct Engine::Impl {
   /// (their values predate what the caller is about to change).
   void drop_unused_prefetches();
 
-  // Stage 0 on a device (update_beside_forward): step() queues the update
-  // bucket by bucket, in unit order, on the comm stream, and returns; the
-  // next forward runs beside it. Bucket b's parameters (and its zeroed
-  // gradients) are ready at params_ready[b], a persistent event recorded
-  // again each step; their first use (gather_unit, param_data) makes the
-  // compute stream wait for it: eagerly once per step (params_pending), in a
-  // CUDA graph capture as a node every replay waits at. At batch 1 the
-  // update (~20 ms over 2.57 B parameters) was a fifth of the graphed step.
-  bool update_beside_forward = false;
-  std::vector<Event> params_ready;
-  std::vector<char> params_pending;
-  /// Stage 0's segments per bucket over the full buffer (relative to the bucket's start).
-  std::vector<std::vector<Segment>> bucket_full_segments;
-  /// The update zeroed the full gradient buffer (per bucket, on its stream): reset_gradients leaves it.
-  bool grads_zeroed_by_update = false;
-  /// The compute stream waits for bucket b's update, where one is pending.
-  void wait_for_update(std::size_t b);
-
-  void finish_param_gather(std::size_t b, bool leave_update = false);
-  /// leave_updates: the stage-0 updates stay pending for the units' waits
-  /// (a graph replay waits per unit itself).
-  void finish_param_gathers(bool leave_updates = false);
+  void finish_param_gather(std::size_t b);
+  void finish_param_gathers();
   /// Before anything reads or writes the state outside step(): a delayed
   /// update completed and uploaded, the parameter gathers done.
   void settle();

@@ -3,8 +3,6 @@
 // waited for on the device, a stream-ordered pool) and to keep the blocks
 // the graph has the addresses of. The capture itself (the stream, the
 // graph) is the caller's: the engine knows no CUDA.
-#include <algorithm>
-
 #include "engine_impl.hpp"
 
 namespace zero {
@@ -28,9 +26,6 @@ void Engine::begin_graph_capture() {
   // none is left to a check inside the capture.
   ZERO_ASSERT(m.gathers_to_check.empty(), m.gathers_to_check.size(), " gathers unchecked at the capture");
   m.capturing = true;
-  // Every bucket's first use in the capture waits for its update: the graph
-  // keeps those waits for every replay, whatever this step left pending.
-  std::fill(m.params_pending.begin(), m.params_pending.end(), 1);
   m.pool.begin_capture();
   // The comm stream joins the capture: everything the micro-step queues on
   // it from here on is captured, and ordered after the capture's start.
@@ -58,13 +53,10 @@ bool Engine::graph_captured() const { return impl_->captured; }
 void Engine::prepare_graph_replay() {
   Impl& m = *impl_;
   ZERO_CHECK(m.micro_step == 0, "prepare_graph_replay: call it at the start of a step (micro-step ", m.micro_step, ")");
-  // Stage 0's update stays beside the forward: the graph waits per unit.
-  m.finish_param_gathers(/*leave_updates=*/true);
+  m.finish_param_gathers();
   // The accumulator's zeroing (reset_gradients) is on the comm stream; the
-  // graph's reductions, captured there, replay on the compute stream. (With
-  // the stage-0 update there, the comm stream holds that update and no
-  // accumulator: a graph has one micro-step. Waiting would serialize it.)
-  if (!m.update_beside_forward) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
+  // graph's reductions, captured there, replay on the compute stream.
+  m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
   m.prepared_for_capture = true;
 }
 

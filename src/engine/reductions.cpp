@@ -137,9 +137,7 @@ void Engine::Impl::release_download_events() {
 
 void Engine::Impl::reset_gradients() {
   const Stream compute = backend.compute_stream();
-  // The stage-0 update beside the next forward zeroed it already, per bucket.
-  if (grads_full && !std::exchange(grads_zeroed_by_update, false))
-    backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
+  if (grads_full) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
   // The shard accumulator is written only on the comm stream (reductions,
   // accumulation), where a delayed update's download of it is queued too:
   // zeroed there, after what the compute stream read of it (statistics, the

@@ -18,8 +18,7 @@ class DeviceUpdater final : public Updater {
  private:
   void initialize_ema();
   /// The optimizer over span u, one call per segment (a group's run).
-  void update(const UpdateArgs& args, const std::vector<Engine::Impl::Segment>& segments, const ShardUpdate& u,
-              Stream stream);
+  void update(const UpdateArgs& args, const std::vector<Engine::Impl::Segment>& segments, const ShardUpdate& u);
   /// Stage 0: the full fp32 weights the optimizer updates (the master, or
   /// the parameters themselves when they are fp32).
   float* full_weights() const { return m_.master ? m_.master : reinterpret_cast<float*>(m_.params_full); }

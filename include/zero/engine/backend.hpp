@@ -39,17 +39,6 @@ class Backend {
   virtual Event record_event(Stream stream) = 0;
   virtual void stream_wait(Stream waiter, Event event) = 0;
   virtual void release_event(Event event) = 0;
-  /// A persistent event, recorded again and again with record_event_at (one
-  /// per bucket for the stage-0 update beside the next forward). Null where
-  /// the backend has no events (host, counting): the two calls below skip it.
-  virtual Event create_event() { return nullptr; }
-  virtual void record_event_at(Event event, Stream stream) { (void)event, (void)stream; }
-  /// stream_wait for an event recorded outside a CUDA graph capture: inside
-  /// one it becomes a node that, at every replay, waits for the event's
-  /// latest record (cudaEventWaitExternal); outside, plain stream_wait.
-  virtual void stream_wait_external(Stream waiter, Event event) {
-    if (event) stream_wait(waiter, event);
-  }
   /// Blocks the host until the stream's work is done.
   virtual void synchronize(Stream stream) = 0;
 

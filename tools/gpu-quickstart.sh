@@ -12,8 +12,10 @@
 #
 # Run again, it only rebuilds what changed. Output: runs/gpu-quickstart/
 # (metrics.jsonl, the log) and the summary on stdout. BATCH 8 at stage 2
-# (the defaults) trains at about 12.7 images/s in 71 GiB on an H200
-# (bench/results/sdxl-gpu.md); lower BATCH or raise STAGE for smaller cards.
+# (the defaults) trains at about 17.6 images/s in 95 GiB on an H200, where
+# checkpoint_units = "fit" recomputes nothing (bench/results/session22-h200.md);
+# on smaller cards "fit" recomputes what they need; lower BATCH or raise STAGE
+# where even recomputing every unit does not fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu-common.sh

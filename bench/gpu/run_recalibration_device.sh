@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The planner's SDXL activation constants again (examples/sdxl/sdxl_calibration.hpp,
+# the recorded runs in tests/sdxl/test_plan_sdxl.cpp and docs/planner.md). Session 22
+# measured every peak 6-14 GiB below the prediction at batch 8 (stage 2, AdamW +
+# EMA: 53.78 GiB recomputing every unit against 67.41 predicted, 94.70 without
+# checkpointing against 101.02), while the interpolation between the two ends
+# held (63.85 from the measured ends against 64.02 measured at 56 units). The
+# constants predate the NHWC group norm, the GEGLU kernel and the unit-level
+# checkpointing. These runs replace the whole calibration table at once:
+#   PHASES="build ckpt" bash bench/gpu/run_recalibration_device.sh   (one call, ~6 min)
+#   PHASES="full" bash bench/gpu/run_recalibration_device.sh         (same warm machine)
+#  ckpt: sdxl-1024.toml (bf16, AdamW + EMA) recomputing every unit, stages
+#        0-3 at batch 1 and 8 (STAGES, BATCHES): the runs of the table;
+#  full: no checkpointing, stage 2, batch 1 and 4 (FULL_BATCHES), beside
+#        session 22's batch 8 (94.70 GiB): the no-checkpointing slope.
+# Each run records the trainer's between-steps maximum (mem_max_bytes, what
+# the table holds) and the in-step peak (nvidia-smi, 5 ms), beside zero-plan's
+# prediction in the log.
+set -uo pipefail
+NAME=recal DEFAULT_PHASES="build ckpt"
+TARGETS=${TARGETS:-train zero-plan}
+STEPS=${STEPS:-6}
+source bench/gpu/device_env.sh
+device_script_begin
+predict() {  # stage batch [zero-plan options]: the predicted peak, in the log
+  local stage=$1 batch=$2
+  shift 2
+  "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage "$stage" --batch "$batch" "$@" --json |
+    python3 -c "import json,sys; p=json.load(sys.stdin); print('zero-plan stage $stage batch $batch $*:', \
+round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" | tee -a "$LOG"
+}
+if has ckpt; then
+  for batch in ${BATCHES:-1 8}; do
+    for stage in ${STAGES:-0 1 2 3}; do
+      predict "$stage" "$batch" --checkpointing --checkpoint-units 0
+      run_trainer "sdxl-ckptall-stage$stage-b$batch" 120 --stage "$stage" --batch_size "$batch" --checkpoint_units all
+    done
+  done
+fi
+if has full; then
+  for batch in ${FULL_BATCHES:-1 4}; do
+    predict 2 "$batch"
+    run_trainer "sdxl-full-stage2-b$batch" 120 --stage 2 --batch_size "$batch" --activation_checkpointing false
+  done
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+rm -f "$OUT_DIR"/*.smi
+say "done"

@@ -22,24 +22,17 @@ TARGETS=${TARGETS:-train zero-plan}
 STEPS=${STEPS:-6}
 source bench/gpu/device_env.sh
 device_script_begin
-predict() {  # stage batch [zero-plan options]: the predicted peak, in the log
-  local stage=$1 batch=$2
-  shift 2
-  "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage "$stage" --batch "$batch" "$@" --json |
-    python3 -c "import json,sys; p=json.load(sys.stdin); print('zero-plan stage $stage batch $batch $*:', \
-round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" | tee -a "$LOG"
-}
 if has ckpt; then
   for batch in ${BATCHES:-1 8}; do
     for stage in ${STAGES:-0 1 2 3}; do
-      predict "$stage" "$batch" --checkpointing --checkpoint-units 0
+      plan_peak "stage $stage batch $batch, every unit" --stage "$stage" --batch "$batch" --checkpointing --checkpoint-units 0
       run_trainer "sdxl-ckptall-stage$stage-b$batch" 120 --stage "$stage" --batch_size "$batch" --checkpoint_units all
     done
   done
 fi
 if has full; then
   for batch in ${FULL_BATCHES:-1 4}; do
-    predict 2 "$batch"
+    plan_peak "stage 2 batch $batch, no checkpointing" --stage 2 --batch "$batch"
     run_trainer "sdxl-full-stage2-b$batch" 120 --stage 2 --batch_size "$batch" --activation_checkpointing false
   done
 fi

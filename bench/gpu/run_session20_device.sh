@@ -42,10 +42,7 @@ if has partial; then
       fit-cap80) CONFIG=$gb8 run_trainer "sdxl-partial-fit-cap80-stage2-b8" 150 --stage 2 --max_gpu_memory 80GiB ;;
       *)
         count=$run; [ "$run" = all ] && count=0
-        "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema --stage 2 --batch 8 --checkpointing \
-          --checkpoint-units "$count" --json | python3 -c "import json,sys; p=json.load(sys.stdin); \
-print('zero-plan, checkpoint_units $run:', p['label'], '- peak', round(p['gpu_bytes']['total_peak']/2**30, 2), 'GiB')" \
-          | tee -a "$LOG"
+        plan_peak "checkpoint_units $run" --stage 2 --batch 8 --checkpointing --checkpoint-units "$count"
         CONFIG=$gb8 run_trainer "sdxl-partial-units$run-stage2-b8" 150 --stage 2 --checkpoint_units "$run" ;;
     esac
   done

@@ -59,6 +59,17 @@ run_gathers_phase() {
     --offload_params true --offload_delayed_update true --batch_size 2 --accumulation 4
 }
 
+# plan_peak NAME [zero-plan options...]: zero-plan's prediction for the full
+# SDXL UNet with EMA (options: stage, batch, checkpointing...) as one log line,
+# "zero-plan, NAME: LABEL - peak X GiB", beside the run it predicts.
+plan_peak() {
+  local name=$1
+  shift
+  "$BUILD/examples/sdxl/zero-plan" --unet-config sdxl-base --ema "$@" --json | python3 -c "import json, sys
+p = json.load(sys.stdin)
+print('zero-plan, $name:', p['label'], '- peak', round(p['gpu_bytes']['total_peak'] / 2**30, 2), 'GiB')" | tee -a "$LOG"
+}
+
 # summarize_runs DIR: one JSON line per run (mean images/s after step 5, MFU,
 # peaks, loss, mean timings) and DIR/summary.json.
 summarize_runs() {

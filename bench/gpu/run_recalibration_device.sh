@@ -13,6 +13,10 @@
 #        0-3 at batch 1 and 8 (STAGES, BATCHES): the runs of the table;
 #  full: no checkpointing, stage 2, batch 1 and 4 (FULL_BATCHES), beside
 #        session 22's batch 8 (94.70 GiB): the no-checkpointing slope.
+#  bench: unet_bench (the UNet alone, channels-last) at batch 1 and 8
+#         (BENCH_BATCHES), with and without checkpointing every unit: peak
+#         allocated, for the planner's unet_bench table (sdxl.plan).
+#         PHASES="build bench" TARGETS=unet_bench.
 # Each run records the trainer's between-steps maximum (mem_max_bytes, what
 # the table holds) and the in-step peak (nvidia-smi, 5 ms), beside zero-plan's
 # prediction in the log.
@@ -34,6 +38,15 @@ if has full; then
   for batch in ${FULL_BATCHES:-1 4}; do
     plan_peak "stage 2 batch $batch, no checkpointing" --stage 2 --batch "$batch"
     run_trainer "sdxl-full-stage2-b$batch" 120 --stage 2 --batch_size "$batch" --activation_checkpointing false
+  done
+fi
+if has bench; then
+  for batch in ${BENCH_BATCHES:-1 8}; do
+    for ckpt in "" "--checkpointing"; do
+      say "unet_bench batch $batch ${ckpt:-no checkpointing}"
+      "$BUILD/examples/sdxl/unet_bench" --batch "$batch" --backward $ckpt --steps 4 --channels_last \
+        --json "$OUT_DIR/unet-bench.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
+    done
   done
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"

@@ -5,17 +5,23 @@
 // on every run. Header-only: zero-plan, the trainer and the planner's tests
 // use it.
 //
-// One H200, LibTorch 2.11, bf16, full SDXL UNet (2,567,463,684 parameters),
-// 128x128 latents (bench/results/sdxl-train-h200.json, sdxl-unet-fwdbwd.jsonl):
-//  - per sample with checkpointing: the slope of the trainer's stage-0 peak,
-//    (67.41 - 51.54 GiB) / 7 between batch 1 and batch 8. No fixed part: the
-//    peak is the recompute of the largest block (up_blocks.0), which scales
-//    with the batch; the saved block inputs are small.
-//  - runtime overhead: the trainer's stage-0 batch-1 peak (51.54 GiB) minus
-//    the model state (47.82 GiB) minus one sample of checkpointed activations.
-//  - without checkpointing: unet_bench's peak allocated minus the bf16 weights
-//    (its peak is at the start of backward, before gradients exist): 6.61 GiB
-//    at batch 1, 51.74 GiB at batch 8 -> 0.165 GiB + 6.447 GiB per sample.
+// Activations and runtime overhead: the trainer (sdxl-1024.toml: bf16, AdamW +
+// EMA, stage 2, N = 1, 91 layer units), 128x128 latents, measured 2026-12-06
+// (bench/results/session23-recalibration.md; the peaks are the same on the
+// H100 and the H200 to 0.01 GiB: 53.79 and 53.78 at batch 8, every unit):
+//  - per sample with checkpointing every unit: the slope of the trainer's
+//    peak, (53.79 - 49.86) GiB / 7 between batch 1 and batch 8, equal at
+//    stages 0-3. No fixed part.
+//  - runtime overhead: the batch-1 peak (49.86 GiB) minus the model state
+//    (47.82 GiB) minus one sample of checkpointed activations.
+//  - without checkpointing: the trainer's peaks at batch 1, 2, 4 and 8
+//    (54.86, 60.56, 71.97, 94.70 GiB) less the model state and the overhead,
+//    least squares: 5.691 GiB per sample, intercept -0.12 GiB (taken as 0).
+//    5.69 - 0.56 GiB per sample freed is 2.76 G bf16 elements; the UNet's
+//    count of what autograd keeps (unet_param_count.cpp) gives 2.72 G.
+// The first calibration (2026-12-02: 2.267 GiB per sample checkpointed,
+// 6.447 + 0.165 without, 1.453 overhead) predated the NHWC group norm, the
+// GEGLU kernel and per-layer units, and predicted 6-14 GiB too much.
 #pragma once
 
 #include <cstddef>
@@ -31,9 +37,9 @@ inline constexpr double kSdxlParams = 2567463684.0;
 inline zero::plan::ActivationModel activation_model() {
   zero::plan::ActivationModel m;
   m.fixed_bytes_checkpointed = 0;
-  m.per_sample_bytes_checkpointed = (67.41 - 51.54) / 7.0 * kGiB;  // 2.267 GiB
-  m.fixed_bytes_full = 0.165 * kGiB;
-  m.per_sample_bytes_full = 6.447 * kGiB;
+  m.per_sample_bytes_checkpointed = (53.79 - 49.86) / 7.0 * kGiB;  // 0.561 GiB
+  m.fixed_bytes_full = 0;
+  m.per_sample_bytes_full = 5.691 * kGiB;
   m.source = "calibrated: SDXL UNet, H200";
   return m;
 }
@@ -52,8 +58,8 @@ inline zero::plan::ActivationModel scaled_activation_model(std::size_t param_cou
 }
 
 /// CUDA context + cuBLAS/cuDNN workspaces + NCCL + allocator slack of one
-/// trainer process on one H200.
-inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.453 * kGiB); }
+/// trainer process (H200 and H100 alike): 49.86 - 47.82 - 0.561 GiB.
+inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.478 * kGiB); }
 
 /// The speed model of the SDXL UNet at 1024 px on an H200, from trainer runs
 /// (sdxl-1024.toml, EMA, global batch 8; bench/results/speed-prediction.md):

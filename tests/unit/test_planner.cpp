@@ -188,17 +188,19 @@ TEST_CASE("plan: the delayed update with offload_params and accumulation: a seco
   CHECK(delayed.table().find("staging (grad, second param shard)") != std::string::npos);
 }
 
-TEST_CASE("fit: SDXL at N=1, batch 1 under 12 GiB offloads the parameters as well") {
+TEST_CASE("fit: SDXL at N=1, batch 1 under 10 GiB offloads the parameters as well") {
+  // Under 12 GiB stage 2 with the optimizer offloaded fits (11.25 GiB
+  // predicted); under 10 the bf16 parameters and the bucket buffers do not.
   plan::PlanInput in = sdxl_input();
   in.engine.buckets.cache_bytes = 0;  // what the trainer sets when the default cache would not fit
-  const plan::FitResult r = plan::fit(in, 12 * kGiB);
-  if (!r.best) MESSAGE(r.table());
+  CHECK(plan::fit(in, 12 * kGiB).best->input.engine.stage == 2);
+  const plan::FitResult r = plan::fit(in, 10 * kGiB);
   REQUIRE(r.best.has_value());
   CHECK(r.best->input.engine.stage == 3);
   CHECK(r.best->input.engine.offload.optimizer);
   CHECK(r.best->input.engine.offload.params);
   CHECK(r.best->input.activation_checkpointing);
-  CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 12 * kGiB));
+  CHECK(r.best->gpu_peak() <= static_cast<std::size_t>(0.95 * 10 * kGiB));
 }
 
 TEST_CASE("plan: stage 3 holds the unit in use plus prefetch_units ahead; fit picks the deepest that fits") {
@@ -379,7 +381,7 @@ TEST_CASE("fit: SDXL at N=1, batch 1 under 24 GiB offloads the optimizer") {
   CHECK(r8.best->input.engine.offload.optimizer);
   CHECK(r8.best->input.activation_checkpointing);
 
-  // 80 GiB: the fastest, stage 0 without checkpointing (55.9 GiB), no offload.
+  // 80 GiB: the fastest, stage 0 without checkpointing (54.99 GiB), no offload.
   const plan::FitResult big = plan::fit(sdxl_input(), 80 * kGiB);
   REQUIRE(big.best.has_value());
   CHECK(!big.best->input.engine.offload.optimizer);
@@ -395,9 +397,9 @@ TEST_CASE("fit: nothing fits 4 GiB; the message says so and what would") {
   CHECK(r.summary().find("even batch 1") != std::string::npos);
   CHECK(!nlohmann::json::parse(r.to_json())["fits"].get<bool>());
 
-  // Batch 8 under 24 GiB: a smaller batch (or more GPUs) is proposed.
+  // Batch 8 under 14 GiB: a smaller batch (or more GPUs) is proposed.
   in.batch = 8;
-  const plan::FitResult smaller = plan::fit(in, 24 * kGiB);
+  const plan::FitResult smaller = plan::fit(in, 14 * kGiB);
   CHECK(!smaller.best.has_value());
   REQUIRE(!smaller.suggestions.empty());
   CHECK(smaller.suggestions[0].find("batch ") == 0);
@@ -530,16 +532,18 @@ TEST_CASE("fit with a global batch: the choice fits, is the fastest by the model
 }
 
 TEST_CASE("fit: a delayed update in the input does not hide the memory reason (issue 20, item 4)") {
-  // Stage 2, offload, delayed update, checkpointing, batch 8 under 24 GiB:
-  // the search used to try the delayed update without offload_optimizer
-  // and stopped on the engine's option check instead of the peak.
+  // Stage 2, offload, delayed update, checkpointing, over 24 GiB (the
+  // issue's batch 8 was predicted at 27.7-29.2 GiB by the first
+  // calibration; with today's it fits, batch 24 does not): the search used
+  // to try the delayed update without offload_optimizer and stopped on the
+  // engine's option check instead of the peak.
   plan::PlanInput in = sdxl_input();
   in.engine.ema.decay = 0.9999;
   in.engine.stage = 2;
   in.engine.offload.optimizer = true;
   in.engine.offload.delayed_update = true;
   in.activation_checkpointing = true;
-  in.batch = 8;
+  in.batch = 24;
   const plan::Plan p = plan::make_plan(in);
   std::optional<std::string> message;
   REQUIRE_NOTHROW(message = plan::check_fits(p, 24 * kGiB));
@@ -550,16 +554,17 @@ TEST_CASE("fit: a delayed update in the input does not hide the memory reason (i
 
 TEST_CASE("check_cap: a cap below the predicted upper bound is refused with the range and a proposal (issue 20)") {
   // Stage 3 with offload_params under 12 GiB (the issue's run was batch 4
-  // with the trainer's plan; here batch 2 is the case with this input): the
-  // lower bound fits, the upper does not; the trainer used to refuse only
-  // on the lower bound, accept it and die mid-step.
+  // with the trainer's plan and the first calibration; here batch 8 is the
+  // case with this input and today's): the lower bound fits, the upper does
+  // not; the trainer used to refuse only on the lower bound, accept it and
+  // die mid-step.
   plan::PlanInput in = sdxl_input();
   in.engine.ema.decay = 0.9999;
   in.engine.stage = 3;
   in.engine.offload.optimizer = true;
   in.engine.offload.params = true;
   in.activation_checkpointing = true;
-  in.batch = 2;
+  in.batch = 8;
   const plan::Plan p = plan::make_plan(in);
   REQUIRE(p.gpu_peak_lower() <= 12 * kGiB);
   REQUIRE(p.gpu_peak() > 12 * kGiB);
@@ -569,15 +574,15 @@ TEST_CASE("check_cap: a cap below the predicted upper bound is refused with the 
   CHECK(message->find("exceeds the cap of 12.00 GiB") != std::string::npos);
   // Within the cap: accepted.
   CHECK(!plan::check_cap(p, p.gpu_peak()).has_value());
-  // At 24 GiB a proposal at the same global batch (4) is given with the trainer's keys.
+  // At 24 GiB a proposal at the same global batch (32) is given with the trainer's keys.
   const auto at24 = plan::check_cap(plan::make_plan([&] {
                                       plan::PlanInput b = in;
-                                      b.batch = 16;
+                                      b.batch = 32;
                                       return b;
                                     }()),
                                     24 * kGiB);
   REQUIRE(at24.has_value());
-  CHECK(at24->find("same global batch of 16") != std::string::npos);
+  CHECK(at24->find("same global batch of 32") != std::string::npos);
   CHECK(at24->find("batch_size = ") != std::string::npos);
 }
 

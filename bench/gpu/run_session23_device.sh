@@ -7,6 +7,14 @@
 # images/s by the H200 speed model). Both, alternated, on the same card:
 #   PHASES="build fit" bash bench/gpu/run_session23_device.sh
 #  fit: the config's default ("fit") and the old choice (56 units), twice each.
+#  trace: where a step's GPU time goes at stage 0 with the CUDA graph, no EMA,
+#         no checkpointing, channels-last (issue 20's batch-1 line: 10.2
+#         images/s on the H200, 12 asked): a Kineto trace of step 15 at batch
+#         1 and 8, summarized by bench/gpu/trace_summary.py.
+#         PHASES="build trace" STEPS=16
+#  refuse: batch 8 of that (predicted 85.26 GiB) on an 80 GB card without a
+#          cap: refused before loading, with a proposal (it used to load and
+#          die in step 1); then the proposal itself runs.
 set -uo pipefail
 NAME=session23 DEFAULT_PHASES="build fit"
 TARGETS=${TARGETS:-train zero-plan}
@@ -20,6 +28,22 @@ if has fit; then
     grep -m2 -i "checkpoint" "$OUT_DIR/sdxl-fit-stage2-b8-r$round.log" | tee -a "$LOG"
     CONFIG=$gb8 run_trainer "sdxl-units56-stage2-b8-r$round" 150 --stage 2 --checkpoint_units 56
   done
+fi
+if has trace; then
+  fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true --profile_step 15"
+  for batch in ${TRACE_BATCHES:-1 8}; do
+    run_trainer "sdxl-trace-stage0-b$batch" 150 --stage 0 --batch_size "$batch" $fast
+    python3 bench/gpu/trace_summary.py "/tmp/sdxl-trace-stage0-b$batch/profile-step-15.json" --top 40 \
+      --json "$OUT_DIR/trace-stage0-b$batch.json" 2>&1 | tee -a "$LOG"
+  done
+fi
+if has refuse; then
+  fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true"
+  run_trainer "sdxl-refuse-stage0-b8" 150 --stage 0 --batch_size 8 $fast
+  grep -m1 -o "this GPU has.*" "$OUT_DIR/sdxl-refuse-stage0-b8.log" | tee -a "$LOG"
+  units=$(grep -m1 -o "checkpoint_units = [0-9]*" "$OUT_DIR/sdxl-refuse-stage0-b8.log" | grep -o "[0-9]*$")
+  [ -n "$units" ] && run_trainer "sdxl-proposal-stage0-b8" 150 --stage 0 --batch_size 8 $fast \
+    --activation_checkpointing true --checkpoint_units "$units"
 fi
 summarize_runs "$OUT_DIR" | tee -a "$LOG"
 rm -f "$OUT_DIR"/*.smi

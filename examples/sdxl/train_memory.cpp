@@ -228,6 +228,19 @@ std::size_t gpu_memory_cap(const TrainConfig& c) {
   return c.fit.empty() ? 0 : zero::parse_bytes(c.fit, "fit");
 }
 
+std::string check_plan_against_gpu(const zero::plan::Plan& plan, std::size_t gpu_total_bytes) {
+  if (gpu_total_bytes == 0) return {};
+  const auto why = zero::plan::check_cap(plan, gpu_total_bytes);
+  if (!why) return {};
+  const std::string gpu = "this GPU has " + zero::format_bytes(gpu_total_bytes) +
+                          " (the smallest among the ranks; no max_gpu_memory or fit set): ";
+  const double refused_above = static_cast<double>(gpu_total_bytes) * (1.0 + kUncappedRefusalSlack);
+  if (static_cast<double>(plan.gpu_peak_lower()) > refused_above)
+    ZERO_THROW(zero::OutOfMemory, gpu, *why, " Refused before loading: even the lower bound is more than ",
+               static_cast<int>(kUncappedRefusalSlack * 100), "% over the GPU.");
+  return "warning: " + gpu + *why + " Starting anyway: the prediction may be high.\n";
+}
+
 FitDecision fit_gpu_memory(TrainConfig& c, const UNetConfig& ucfg, const zero::EngineOptions& options, int world,
                            int ranks_per_host, const std::vector<std::vector<std::size_t>>& frozen_sizes_by_unit,
                            const std::optional<std::string>& resumed_config) {

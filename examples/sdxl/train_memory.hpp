@@ -35,6 +35,21 @@ std::optional<zero::plan::Plan> plan_gpu_memory(const TrainConfig& c, const UNet
 /// none. Applies on device = "cuda" only.
 std::size_t gpu_memory_cap(const TrainConfig& c);
 
+/// Without a cap the GPU's own memory is the limit (gpu_total_bytes: the
+/// smallest GPU among the ranks, so that every rank decides alike). A plan
+/// whose lower bound is over it by more than kUncappedRefusalSlack could
+/// not run: throws zero::OutOfMemory naming the GPU, the prediction and a
+/// configuration that fits at the same global batch, before anything is
+/// allocated (such a run used to load the model and die in its first step).
+/// A plan whose upper bound is over the GPU but not that far: a warning
+/// (returned, empty when the plan fits), since the run may still fit.
+std::string check_plan_against_gpu(const zero::plan::Plan& plan, std::size_t gpu_total_bytes);
+
+/// The slack over the GPU's memory before an uncapped run is refused: the
+/// SDXL calibration predicts its 13 recorded runs within 0.2%
+/// (docs/planner.md); other models are extrapolated and less sure.
+inline constexpr double kUncappedRefusalSlack = 0.05;
+
 /// What [device] fit (--fit SIZE) decided, and the block rank 0 prints.
 struct FitDecision {
   zero::plan::Plan plan;  // of the configuration the run now has

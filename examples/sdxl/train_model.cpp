@@ -176,6 +176,12 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, zero::MpiCommunicator& hos
   }
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
+  if (run_plan && cap == 0) {
+    double gpu_total = static_cast<double>(runtime.settled_memory().total);
+    host_comm.all_reduce_host_f64(&gpu_total, 1, zero::ReduceOp::min);
+    const std::string warning = check_plan_against_gpu(*run_plan, static_cast<std::size_t>(gpu_total));
+    if (leader && !warning.empty()) std::printf("%s", warning.c_str());
+  }
   if (run_plan)
     m.memory_plan_note = " (the memory plan estimated a GPU peak of " + zero::format_bytes(run_plan->gpu_peak_lower()) +
                          " .. " + zero::format_bytes(run_plan->gpu_peak()) + " per rank)";

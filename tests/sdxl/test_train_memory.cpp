@@ -242,6 +242,42 @@ TEST_CASE("checkpoint_units = fit: the fewest units for this GPU, none when ever
   CHECK(given.checkpoint_units == "12");
 }
 
+TEST_CASE("no cap: a plan far over the GPU is refused before loading, one just over it warns") {
+  // Stage 0, batch 8, no EMA, no checkpointing on an H100 (79.18 GiB): the
+  // trainer predicted 85.26 GiB, loaded the model and died in step 1
+  // (bench/results/session23/trace). Per-layer units, as the trainer runs.
+  sdxl::TrainConfig c = fit_run();
+  c.units = "layers";
+  c.fit.clear();
+  c.stage = 0;
+  c.ema_decay = 0;
+  zero::EngineOptions options = engine_options_of(c);
+  const auto plan = sdxl::plan_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), options, 0, 1, 1, false);
+  REQUIRE(plan.has_value());
+  const double predicted = static_cast<double>(plan->gpu_peak_lower());
+  CHECK(predicted / zero::plan::kGiB == doctest::Approx(85.26).epsilon(0.002));
+  const auto h100 = static_cast<std::size_t>(79.18 * zero::plan::kGiB);
+  try {
+    (void)sdxl::check_plan_against_gpu(*plan, h100);
+    FAIL("85 GiB predicted on a 79 GiB GPU was accepted");
+  } catch (const zero::OutOfMemory& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find("this GPU has 79.18 GiB") != std::string::npos);
+    CHECK(what.find("85.26 GiB") != std::string::npos);
+    CHECK(what.find("Fits at the same global batch of 8: ") != std::string::npos);
+    CHECK(what.find("Refused before loading") != std::string::npos);
+  }
+  // Over the GPU by less than the slack: a warning, the run starts.
+  const auto just_under = static_cast<std::size_t>(predicted / (1.0 + sdxl::kUncappedRefusalSlack / 2));
+  std::string warning;
+  CHECK_NOTHROW(warning = sdxl::check_plan_against_gpu(*plan, just_under));
+  CHECK(warning.find("warning: this GPU has") == 0);
+  // Fits (an H200), or no GPU total known: nothing said.
+  CHECK(sdxl::check_plan_against_gpu(*plan, static_cast<std::size_t>(140 * zero::plan::kGiB)).empty());
+  CHECK(sdxl::check_plan_against_gpu(*plan, 0).empty());
+}
+
 TEST_CASE("fit: an option given on the command line is kept; faster proposals that change it are named") {
   sdxl::TrainConfig c = fit_run();
   c.fit = "40GiB";

@@ -41,7 +41,7 @@ if has refuse; then
   fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true"
   run_trainer "sdxl-refuse-stage0-b8" 150 --stage 0 --batch_size 8 $fast
   grep -m1 -o "this GPU has.*" "$OUT_DIR/sdxl-refuse-stage0-b8.log" | tee -a "$LOG"
-  units=$(grep -m1 -o "checkpoint_units = [0-9]*" "$OUT_DIR/sdxl-refuse-stage0-b8.log" | grep -o "[0-9]*$")
+  units=$(grep -m1 -o "checkpoint_units = [0-9]\+" "$OUT_DIR/sdxl-refuse-stage0-b8.log" | grep -o "[0-9]\+$")
   [ -n "$units" ] && run_trainer "sdxl-proposal-stage0-b8" 150 --stage 0 --batch_size 8 --ema_decay 0 \
     --channels_last true --cuda_graph true --activation_checkpointing true --checkpoint_units "$units"
 fi

@@ -10,7 +10,8 @@
 #  trace: where a step's GPU time goes at stage 0 with the CUDA graph, no EMA,
 #         no checkpointing, channels-last (issue 20's batch-1 line: 10.2
 #         images/s on the H200, 12 asked): a Kineto trace of step 15 at batch
-#         1 and 8, summarized by bench/gpu/trace_summary.py.
+#         1 and 8, summarized by bench/gpu/kernel_summary.py (the recorded
+#         summary came from an interim script of commit 2a7b87a, bench/gpu/trace_summary.py, since removed as a duplicate).
 #         PHASES="build trace" STEPS=16
 #  refuse: batch 8 of that (predicted 85.26 GiB) on an 80 GB card without a
 #          cap: refused before loading, with a proposal (it used to load and
@@ -33,7 +34,7 @@ if has trace; then
   fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true --profile_step 15"
   for batch in ${TRACE_BATCHES:-1 8}; do
     run_trainer "sdxl-trace-stage0-b$batch" 150 --stage 0 --batch_size "$batch" $fast
-    python3 bench/gpu/trace_summary.py "/tmp/sdxl-trace-stage0-b$batch/profile-step-15.json" --top 40 \
+    python3 bench/gpu/kernel_summary.py "/tmp/sdxl-trace-stage0-b$batch/profile-step-15.json" --top 40 \
       --json "$OUT_DIR/trace-stage0-b$batch.json" 2>&1 | tee -a "$LOG"
   done
 fi

@@ -40,7 +40,7 @@ inline zero::plan::ActivationModel activation_model() {
   m.per_sample_bytes_checkpointed = (53.79 - 49.86) / 7.0 * kGiB;  // 0.561 GiB
   m.fixed_bytes_full = 0;
   m.per_sample_bytes_full = 5.691 * kGiB;
-  m.source = "calibrated: SDXL UNet, H200";
+  m.source = "calibrated: SDXL UNet, H100/H200";
   return m;
 }
 

@@ -162,14 +162,15 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, zero::MpiCommunicator& hos
   // The memory planner's view of the run (its constants are calibrated for
   // the GPU): printed, and with max_gpu_memory (or fit) checked before anything is allocated.
   const std::size_t cap = gpu_memory_cap(cfg);
+  // The smallest GPU among the ranks (0 on the CPU): what checkpoint_units =
+  // "fit" and the uncapped check below size against, so that every rank
+  // decides alike (stage 3 gathers a recomputed unit again: the collectives
+  // must match).
+  double smallest_gpu_bytes = cfg.device == "cuda" ? static_cast<double>(runtime.settled_memory().total) : 0;
+  host_comm.all_reduce_host_f64(&smallest_gpu_bytes, 1, zero::ReduceOp::min);
+  const auto smallest_gpu = static_cast<std::size_t>(smallest_gpu_bytes);
   if (cfg.checkpoint_units == "fit") {
-    // Every rank must recompute the same units (stage 3 gathers a
-    // recomputed unit again: the collectives must match), so all fit the
-    // smallest GPU among them.
-    double budget_bytes =
-        static_cast<double>(cap > 0 ? cap : cfg.device == "cuda" ? runtime.settled_memory().total : 0);
-    host_comm.all_reduce_host_f64(&budget_bytes, 1, zero::ReduceOp::min);
-    const auto budget = static_cast<std::size_t>(budget_bytes);
+    const std::size_t budget = cap > 0 ? cap : smallest_gpu;
     const std::string line =
         resolve_checkpoint_fit(cfg, m.config, options, world, host_comm.local_size(), budget, frozen_sizes_by_unit);
     if (leader) std::printf("%s", line.c_str());
@@ -177,9 +178,7 @@ ModelOnEngine build_model_on_engine(TrainConfig& cfg, zero::MpiCommunicator& hos
   const std::optional<zero::plan::Plan> run_plan =
       plan_gpu_memory(cfg, m.config, options, cap, world, host_comm.local_size(), leader, frozen_sizes_by_unit);
   if (run_plan && cap == 0) {
-    double gpu_total = static_cast<double>(runtime.settled_memory().total);
-    host_comm.all_reduce_host_f64(&gpu_total, 1, zero::ReduceOp::min);
-    const std::string warning = check_plan_against_gpu(*run_plan, static_cast<std::size_t>(gpu_total));
+    const std::string warning = check_plan_against_gpu(*run_plan, smallest_gpu);
     if (leader && !warning.empty()) std::printf("%s", warning.c_str());
   }
   if (run_plan)

@@ -104,8 +104,8 @@ TEST_CASE("plan: SDXL trainer runs, predicted vs measured peak") {
     CHECK(static_cast<double>(p.model_state.model_state()) / kGiB == doctest::Approx(47.82).epsilon(0.0005));
     // One rank: no in-step engine buffers, so the peak is the between-steps total.
     CHECK(p.gpu_peak() == p.gpu_at_step_end());
-    // The calibration's own runs within 0.5%, the checks within 2% (the
-    // first calibration was off by 6-14 GiB, 12-25%).
+    // Within 2% (all 13 are within 0.2% today; the first calibration was
+    // off by 6-14 GiB, 12-25%).
     CHECK(std::abs(error_percent(peak, r.measured_gib)) <= 2.0);
     CHECK(peak >= r.measured_gib - 0.25);  // never more than a quarter GiB under
   }

@@ -4,7 +4,7 @@
 //   unet_bench [--device cuda] [--dtype bf16] [--batch 1] [--latent 128] [--tokens 77]
 //              [--steps 5] [--warmup 2] [--backward] [--checkpointing]
 //              [--attention default|flash|efficient|cudnn|math] [--channels_last] [--cuda_graph]
-//              [--profile trace.json] [--tf32]
+//              [--profile trace.json] [--tf32] [--unfused_linear_backward]
 //
 // Prints the mean step time over --steps after --warmup untimed steps.
 // --cuda_graph captures one step in a CUDA graph and times its replays (the
@@ -19,6 +19,7 @@
 #include <iostream>
 
 #include "attention_backend.hpp"
+#include "fused_linear.hpp"
 #include "profile_trace.hpp"
 #include "tf32.hpp"
 #include "unet.hpp"
@@ -37,7 +38,8 @@ namespace {
 struct BenchOptions {
   std::string device_name = "cuda", dtype_name = "bf16";
   std::int64_t batch = 1, latent = 128, tokens = 77, steps = 5, warmup = 2, checkpoint_units = 0;
-  bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false, tf32 = false;
+  bool backward = false, checkpointing = false, cuda_graph = false, channels_last = false, tf32 = false,
+       unfused_linear_backward = false;
   std::string json_path, attention = "default", profile_path;
 };
 
@@ -62,6 +64,8 @@ void add_options(CLI::App& app, BenchOptions& o) {
   app.add_flag("--channels_last", o.channels_last, "run the convolutional path in NHWC (UNet::set_channels_last)");
   app.add_flag("--tf32", o.tf32, "--dtype fp32 on CUDA: let matmuls and convolutions use TF32 (default: strict fp32)");
   app.add_flag("--cuda_graph", o.cuda_graph, "capture one step in a CUDA graph and time its replays (CUDA only)");
+  app.add_flag("--unfused_linear_backward", o.unfused_linear_backward,
+               "Linear's weight and bias gradients as LibTorch computes them (a GEMM and a sum), not in one GEMM");
   app.add_option("--profile", o.profile_path, "write a Kineto trace of one more step to this file (CUDA only)");
 }
 
@@ -176,6 +180,9 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
       o.checkpoint_units > 0 ? " (checkpointing " + std::to_string(o.checkpoint_units) + " units)" : " (checkpointing)";
   std::cout << (o.backward ? "forward+backward" : "forward") << (o.checkpointing ? recomputed : "")
             << (o.cuda_graph ? " (CUDA graph)" : "") << (o.channels_last ? " (channels-last)" : "")
+            << (o.backward && !o.unfused_linear_backward && sdxl::linear_has_fused_backward()
+                    ? " (bias gradients in the GEMM)"
+                    : "")
             << (o.dtype_name == "fp32" ? (o.tf32 ? " (TF32)" : " (strict fp32)") : "") << ", attention "
             << o.attention << ", batch " << o.batch << ", latent " << o.latent << "x" << o.latent << ", "
             << o.dtype_name << " on " << device << ": " << ms << " ms/step, " << 1e3 * o.batch / ms << " images/s, "
@@ -186,7 +193,9 @@ void report(const BenchOptions& o, const torch::Device& device, double ms, doubl
   out << "{\"pass\": \"" << (o.backward ? "forward+backward" : "forward") << "\", \"checkpointing\": "
       << (o.checkpointing ? "true" : "false") << ", \"checkpoint_units\": " << o.checkpoint_units
       << ", \"cuda_graph\": " << (o.cuda_graph ? "true" : "false")
-      << ", \"channels_last\": " << (o.channels_last ? "true" : "false") << ", \"attention\": \"" << o.attention
+      << ", \"channels_last\": " << (o.channels_last ? "true" : "false")
+      << ", \"fused_linear_backward\": " << (!o.unfused_linear_backward && sdxl::linear_has_fused_backward() ? "true" : "false")
+      << ", \"attention\": \"" << o.attention
       << "\", \"tf32\": " << (o.tf32 ? "true" : "false") << ", \"batch\": " << o.batch << ", \"latent\": " << o.latent << ", \"dtype\": \"" << o.dtype_name
       << "\", \"ms_per_step\": " << ms << ", \"images_per_s\": " << 1e3 * o.batch / ms << ", \"tflops\": " << tflops
       << ", \"mfu_vs_989\": " << tflops / 989.0 << ", \"peak_allocated_gib\": " << peak_gib
@@ -197,6 +206,7 @@ void run_bench(const BenchOptions& o) {
   const torch::Device device(o.device_name);
   sdxl::select_attention_backend(o.attention, "--attention");
   sdxl::allow_tf32(o.tf32);
+  sdxl::set_linear_backward_fused(!o.unfused_linear_backward);
   if ((o.cuda_graph || !o.profile_path.empty()) && !device.is_cuda())
     throw std::invalid_argument("--cuda_graph and --profile need --device cuda");
 #ifndef UNET_BENCH_CUDA_STATS

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "fused_linear.hpp"
 #include "group_norm_nhwc.hpp"
 #include "unet.hpp"
 #include "zero/core/error.hpp"
@@ -89,7 +90,7 @@ class Linear : public torch::nn::Module {
     if (bias) bias_ = register_parameter("bias", f.uniform({out}, in));
   }
   Tensor forward(const Tensor& x) const {
-    Tensor y = torch::linear(x, weight_, bias_);
+    Tensor y = sdxl::linear(x, weight_, bias_);  // the bias gradient in the weight gradient's GEMM on CUDA
     if (!lora_a_.defined()) return y;
     // base + scale * B(A(dropout(x))), PEFT's result, with B's product accumulated into the base output by
     // one GEMM (beta = 1, alpha = scale): no separate scale and add passes over the output, which is the

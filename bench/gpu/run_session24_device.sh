@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Session 24: Linear's bias gradient in the weight gradient's GEMM
+# (examples/sdxl/fused_linear.hpp, cuBLASLt's BGRADB epilogue). Session 23's
+# batch-1 trace (H100, stage 0, graph) had 390 bias-gradient sums, 4.7 ms of a
+# 111 ms step; ~330 of them are Linear biases.
+#   PHASES="build tests trace" bash bench/gpu/run_session24_device.sh
+#   PHASES="bench speed" bash bench/gpu/run_session24_device.sh   (same machine)
+#  tests: the gpu tests of the UNet's fused kernels and the trainer's graph.
+#  trace: batch 1, stage 0, graph, channels-last, Kineto trace of step 15,
+#         summed by bench/gpu/kernel_summary.py.
+#  bench: unet_bench forward+backward (graph, channels-last) at batch 1 and
+#         8, the fused backward and --unfused_linear_backward alternated.
+#  speed: the trainer at batch 1 and 8, stage 0, graph, no EMA, fused and
+#         SDXL_UNFUSED_LINEAR_BACKWARD=1 alternated (batch 8 recomputes 7
+#         units on a card under 100 GB: 85 GiB without).
+set -uo pipefail
+NAME=session24 DEFAULT_PHASES="build tests trace"
+TARGETS=${TARGETS:-train unet_bench zero_sdxl_fused_linear_tests zero_sdxl_geglu_tests zero_sdxl_group_norm_nhwc_tests}
+STEPS=${STEPS:-16}
+source bench/gpu/device_env.sh
+device_script_begin
+fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true"
+if has tests; then run_gpu_tests "gpu.sdxl"; fi
+if has trace; then
+  run_trainer "sdxl-trace-stage0-b1" 150 --stage 0 --batch_size 1 $fast --profile_step 15
+  python3 bench/gpu/kernel_summary.py "/tmp/sdxl-trace-stage0-b1/profile-step-15.json" --top 40 \
+    --json "$OUT_DIR/trace-stage0-b1.json" 2>&1 | tee -a "$LOG"
+fi
+if has bench; then
+  for round in 1 2; do
+    for batch in 1 8; do
+      for variant in fused unfused; do
+        flag=""; [ "$variant" = unfused ] && flag="--unfused_linear_backward"
+        say "unet_bench b$batch $variant r$round"
+        timeout 200 $BUILD/examples/sdxl/unet_bench --batch "$batch" --backward --cuda_graph --channels_last \
+          --steps 10 --warmup 3 $flag --json "$OUT_DIR/unet-bench.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
+      done
+    done
+  done
+fi
+if has speed; then
+  total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  b8="--activation_checkpointing false"; [ "$total" -lt 100000 ] && b8="--activation_checkpointing true --checkpoint_units 7"
+  for round in 1 2; do
+    for variant in fused unfused; do
+      env=""; [ "$variant" = unfused ] && env="SDXL_UNFUSED_LINEAR_BACKWARD=1"
+      env $env bash -c "source bench/gpu/trainer_run.sh; BUILD=$BUILD OUT_DIR=$OUT_DIR LOG=$LOG STEPS=$STEPS \
+        run_trainer sdxl-$variant-stage0-b1-r$round 150 --stage 0 --batch_size 1 $fast"
+      env $env bash -c "source bench/gpu/trainer_run.sh; BUILD=$BUILD OUT_DIR=$OUT_DIR LOG=$LOG STEPS=$STEPS \
+        run_trainer sdxl-$variant-stage0-b8-r$round 200 --stage 0 --batch_size 8 --ema_decay 0 --channels_last true \
+        --cuda_graph true $b8"
+    done
+  done
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+rm -f "$OUT_DIR"/*.smi
+say "done"

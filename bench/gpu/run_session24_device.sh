@@ -8,6 +8,9 @@
 #  tests: the gpu tests of the UNet's fused kernels and the trainer's graph.
 #  trace: batch 1, stage 0, graph, channels-last, Kineto trace of step 15,
 #         summed by bench/gpu/kernel_summary.py.
+#  ab: the trainer at batch 1 (stage 0, graph) against BASE_TREE's build, alternated.
+#  (ROUNDS: rounds of speed, default 2; SPEED_BATCHES=1: batch 1 only;
+#   BENCH_ROUNDS: rounds of bench, default 2.)
 #  bench: unet_bench forward+backward (graph, channels-last) at batch 1 and
 #         8, the fused backward and --unfused_linear_backward alternated.
 #  speed: the trainer at batch 1 and 8, stage 0, graph, no EMA, fused and
@@ -27,7 +30,7 @@ if has trace; then
     --json "$OUT_DIR/trace-stage0-b1.json" 2>&1 | tee -a "$LOG"
 fi
 if has bench; then
-  for round in 1 2; do
+  for round in $(seq 1 "${BENCH_ROUNDS:-2}"); do
     for batch in 1 8; do
       for variant in fused unfused; do
         flag=""; [ "$variant" = unfused ] && flag="--unfused_linear_backward"
@@ -41,14 +44,30 @@ fi
 if has speed; then
   total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   b8="--activation_checkpointing false"; [ "$total" -lt 100000 ] && b8="--activation_checkpointing true --checkpoint_units 7"
-  for round in 1 2; do
+  for round in $(seq 1 "${ROUNDS:-2}"); do
     for variant in fused unfused; do
       env=""; [ "$variant" = unfused ] && env="SDXL_UNFUSED_LINEAR_BACKWARD=1"
       env $env bash -c "source bench/gpu/trainer_run.sh; BUILD=$BUILD OUT_DIR=$OUT_DIR LOG=$LOG STEPS=$STEPS \
         run_trainer sdxl-$variant-stage0-b1-r$round 150 --stage 0 --batch_size 1 $fast"
+      [ "${SPEED_BATCHES:-1 8}" = 1 ] && continue
       env $env bash -c "source bench/gpu/trainer_run.sh; BUILD=$BUILD OUT_DIR=$OUT_DIR LOG=$LOG STEPS=$STEPS \
         run_trainer sdxl-$variant-stage0-b8-r$round 200 --stage 0 --batch_size 8 --ema_decay 0 --channels_last true \
         --cuda_graph true $b8"
+    done
+  done
+fi
+if has ab; then
+  # Gradients written, not added into a zeroed buffer (Engine::GradientWrites),
+  # against the tree of BASE_TREE (a `git archive` of the commit before it,
+  # copied into the working tree as an untracked folder), alternated.
+  base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
+  say "build base ($base)"
+  ( cd "$base" && source tools/gpu-common.sh && gpu_check_prerequisites && gpu_build train ) 2>&1 | tail -2 | tee -a "$LOG"
+  for round in $(seq 1 "${ROUNDS:-3}"); do
+    for variant in written base; do
+      build=$BUILD; [ "$variant" = base ] && build=$base/build/cuda
+      bash -c "source bench/gpu/trainer_run.sh; BUILD=$build OUT_DIR=$OUT_DIR LOG=$LOG STEPS=$STEPS \
+        run_trainer sdxl-$variant-stage0-b1-r$round 150 --stage 0 --batch_size 1 $fast"
     done
   done
 fi

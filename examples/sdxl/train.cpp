@@ -140,10 +140,10 @@ void prepare_gradients(const TrainConfig& cfg, ModelOnEngine& m, GradientFaults&
                 static_cast<long long>(faults.slow_rank->delay.count()));
   ZERO_CHECK(!(faults.nan_grad && cfg.cuda_graph), "ZERO_FAULT_NAN_GRAD_STEPS does not work with [device] cuda_graph "
              "(its hook runs on the host, which a replayed graph skips)");
-  // With a full gradient buffer (stages 0-1, any stage on one rank) autograd
-  // writes into it and the graph holds forward and backward; otherwise the
-  // graph captures the reductions too.
-  if (cfg.cuda_graph && m.sharded->engine().plan().full_grads) m.sharded->bind_gradients_to_engine();
+  // The graph captures the gradient hooks' writes into the engine's buffer
+  // and the reductions. (Not bind_gradients_to_engine: autograd would add each
+  // gradient into a zeroed buffer, where the hooks write it: one pass over
+  // the gradients more per step, and the zero fill.)
   if (!faults.nan_grad) return;
   const NanGradFault& fault = *faults.nan_grad;
   if (host_comm.rank() == 0)

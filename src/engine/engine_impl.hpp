@@ -112,6 +112,14 @@ struct Engine::Impl {
   std::vector<Event> download_events;
   std::size_t download_events_waited = 0;
   int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
+  // Engine::GradientWrites::write_when_clear with a full gradient buffer:
+  // its slots are written, not added to, where clear, and never zeroed.
+  bool writes_full_grads = false;
+  /// A slot of the full buffer holds nothing to add to: the first micro-step
+  /// of a step, or every micro-step where each is reduced out of it.
+  bool full_grads_clear_each_micro_step() const {
+    return micro_step == 0 || (plan.shard_accumulator && !plan.reduce_only_at_boundary);
+  }
   // plan.streams_grads_to_host: the host's work on the streamed gradients
   // on a thread of its own: with accumulates_on_host the additions of staged
   // slices into the host gradient shard (per bucket the ticket of the last

@@ -7,6 +7,7 @@
 // which the CPU adds into the host gradient shard once the copy has landed).
 #include "engine_impl.hpp"
 
+#include <algorithm>
 #include <utility>
 
 namespace zero {
@@ -137,7 +138,9 @@ void Engine::Impl::release_download_events() {
 
 void Engine::Impl::reset_gradients() {
   const Stream compute = backend.compute_stream();
-  if (grads_full) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
+  // Written, not added to, where clear: nothing to zero (padding was zeroed
+  // at allocation, and reductions keep it zero).
+  if (grads_full && !writes_full_grads) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
   // The shard accumulator is written only on the comm stream (reductions,
   // accumulation), where a delayed update's download of it is queued too:
   // zeroed there, after what the compute stream read of it (statistics, the
@@ -155,6 +158,26 @@ void Engine::Impl::reset_gradients() {
 void* Engine::grad_data(std::size_t param) { return trainable_grad_data(trainable_index(param, "grad_data")); }
 
 void Engine::grad_ready(std::size_t param) { trainable_grad_ready(trainable_index(param, "grad_ready")); }
+
+void Engine::set_gradient_writes(GradientWrites writes) {
+  Impl& m = *impl_;
+  ZERO_CHECK(m.micro_step == 0 && std::none_of(m.param_ready.begin(), m.param_ready.end(), [](char r) { return r != 0; }),
+             "set_gradient_writes: only between steps (micro-step ", m.micro_step, " has begun)");
+  const bool write = writes == GradientWrites::write_when_clear && m.plan.full_grads;
+  // Back to adding: the buffer's dead contents must be zeros again.
+  if (m.writes_full_grads && !write)
+    m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
+  m.writes_full_grads = write;
+  gradient_writes_ = writes;
+}
+
+Engine::GradientWrites Engine::gradient_writes() const { return gradient_writes_; }
+
+bool Engine::grad_slot_is_clear(std::size_t param) const {
+  const Impl& m = *impl_;
+  const std::size_t t = trainable_index(param, "grad_slot_is_clear");
+  return m.writes_full_grads && !m.param_ready[t] && m.full_grads_clear_each_micro_step();
+}
 
 // Below, `param` indexes layout_ (the trainable parameters).
 void* Engine::trainable_grad_data(std::size_t param) {
@@ -190,8 +213,16 @@ void Engine::finish_micro_step() {
   Impl& m = *impl_;
   ZERO_CHECK(m.micro_step < options_.accumulation_steps, "finish_micro_step: all ",
              options_.accumulation_steps, " micro-steps of this step are done; call step() first");
-  for (std::size_t p = 0; p < m.param_ready.size(); ++p)
-    if (!m.param_ready[p]) trainable_grad_ready(p);
+  for (std::size_t p = 0; p < m.param_ready.size(); ++p) {
+    if (m.param_ready[p]) continue;
+    // No gradient: with a buffer that is not zeroed, zero the slot here.
+    if (m.writes_full_grads && m.full_grads_clear_each_micro_step()) {
+      const ParamSlot& slot = layout_.slots()[p];
+      m.backend.fill_zero(m.grads_full + slot.offset * m.g_size, layout_.params()[p].numel * m.g_size,
+                          m.backend.compute_stream());
+    }
+    trainable_grad_ready(p);
+  }
   // A unit whose parameters are all frozen has an empty trainable bucket (all
   // padding): reduced like the others, so that every path finds every bucket's
   // (zero) gradient where it looks.
@@ -207,7 +238,7 @@ void Engine::finish_micro_step() {
   if (last_micro_step) m.finish_host_work();  // the step reads the host gradients (and their statistics) next
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.
-  if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary)
+  if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary && !m.writes_full_grads)
     m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
   std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
   std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);

@@ -186,6 +186,8 @@ ShardedModel::ShardedModel(std::vector<UnitSpec> units, const EngineOptions& opt
     units_.push_back(std::move(u));
   }
   engine_ = std::make_unique<Engine>(std::move(groups), options, comm, backend);
+  // on_gradient writes the first gradient of a micro-step (grad_slot_is_clear).
+  engine_->set_gradient_writes(Engine::GradientWrites::write_when_clear);
   anchor_ = torch::zeros({1}, torch::TensorOptions().requires_grad(true));
 
   // Every rank must start from the same weights: compare a checksum.
@@ -335,6 +337,8 @@ void ShardedModel::bind_gradients_to_engine() {
   ZERO_CHECK(grad_type_ == param_type_, "bind_gradients_to_engine: gradients must have the parameters' dtype (",
                  c10::toString(param_type_), "), got ", c10::toString(grad_type_));
   if (gradients_bound_) return;
+  // Autograd adds into .grad itself: the buffer must hold zeros again.
+  engine_->set_gradient_writes(Engine::GradientWrites::add);
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (engine_->frozen(i)) continue;
@@ -354,7 +358,10 @@ void ShardedModel::on_gradient(std::size_t i) {
                                           torch::TensorOptions().device(device_).dtype(grad_type_));
   {
     torch::NoGradGuard no_grad;
-    target.add_(grad);
+    // The first gradient of a micro-step is written, not added to zeros
+    // (the engine then never zeroes the buffer): one pass over it less.
+    if (engine_->grad_slot_is_clear(i)) target.copy_(grad);
+    else target.add_(grad);
   }
   p.mutable_grad().reset();  // the engine holds it now; free autograd's copy at once
   engine_->grad_ready(i);

@@ -387,3 +387,63 @@ TEST_CASE("frozen parameters: ShardedModel at stages 0..3 equals torch::optim::A
     }
   }
 }
+
+// The adapter writes the first gradient of a micro-step into the engine's
+// full buffer, and the engine then never zeroes it (Engine::GradientWrites).
+// A parameter that gets no gradient in a micro-step must still count as zero
+// there, not as what its slot held before: fc3 is used on some micro-steps
+// only. The same training with the engine adding into zeroed memory must give
+// the same bits, at the stages with a full buffer (0 and 1), with one micro-step
+// a step and with two.
+TEST_CASE("gradients written, not added: the same bits as adding into zeros, with unused parameters") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  auto train = [&](int stage, int accumulation, Engine::GradientWrites writes) {
+    Net net = make_net();
+    EngineOptions options;
+    options.stage = stage;
+    options.accumulation_steps = accumulation;
+    options.param_dtype = DType::fp32;
+    options.buckets.alignment_elements = 4;
+    options.optimizer.lr = kLr;
+    options.optimizer.weight_decay = kDecay;
+    ShardedModel model(adapter::units_by_child(*net), options, comm, *backend);
+    CHECK(model.engine().gradient_writes() == Engine::GradientWrites::write_when_clear);
+    model.engine().set_gradient_writes(writes);
+    auto body = [](torch::nn::Linear& fc, bool activation) {
+      return [&fc, activation](const variable_list& in) -> variable_list {
+        torch::Tensor out = fc(in[0]);
+        return {activation ? torch::tanh(out) : out};
+      };
+    };
+    auto body1 = body(net->fc1, true), body2 = body(net->fc2, true), body3 = body(net->fc3, false);
+    int micro = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      for (int a = 0; a < accumulation; ++a, ++micro) {
+        auto [x, y] = batch(step * accumulation + a, comm.rank());
+        variable_list h = model.run_unit(0, {x}, body1);
+        h = model.run_unit(1, h, body2);
+        // fc3 on two micro-steps of three: its slot keeps the last one's
+        // gradient where the buffer is not zeroed.
+        torch::Tensor out = micro % 3 == 2 ? h[0].narrow(1, 0, 5) : model.run_unit(2, h, body3)[0];
+        CHECK(model.engine().grad_slot_is_clear(0) ==
+              (writes == Engine::GradientWrites::write_when_clear && model.engine().plan().full_grads &&
+               (a == 0 || !model.engine().plan().reduce_only_at_boundary)));
+        torch::mse_loss(out, y).backward();
+        CHECK_FALSE(model.engine().grad_slot_is_clear(0));  // written: the next gradient would be added
+        model.finish_micro_step();
+      }
+      REQUIRE(model.step().applied);
+    }
+    return model.engine().gather_master_params();
+  };
+  for (int stage : {0, 1}) {
+    for (int accumulation : {1, 2}) {
+      INFO("stage " << stage << ", accumulation " << accumulation);
+      const auto written = train(stage, accumulation, Engine::GradientWrites::write_when_clear);
+      const auto added = train(stage, accumulation, Engine::GradientWrites::add);
+      REQUIRE(written.size() == added.size());
+      for (std::size_t i = 0; i < written.size(); ++i) CHECK(written[i] == added[i]);
+    }
+  }
+}

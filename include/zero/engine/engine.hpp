@@ -188,6 +188,24 @@ class Engine {
   void finish_micro_step();
   int micro_step() const;
 
+  /// How a model puts gradients into grad_data(param).
+  ///   add: added into zeroed memory (the default; the engine zeroes the
+  ///     gradient buffers between micro-steps or steps).
+  ///   write_when_clear: where grad_slot_is_clear(param) the model writes
+  ///     (copies) the gradient, elsewhere adds it. With a full gradient buffer
+  ///     (StagePlan::full_grads) the engine then stops zeroing it: a slot's old
+  ///     contents are dead until written, and finish_micro_step zeroes the
+  ///     slots of parameters that got no gradient. One pass over the
+  ///     gradients less per step (the zero fill) and a read less (the zeros).
+  /// Set between steps (no micro-step begun).
+  enum class GradientWrites { add, write_when_clear };
+  void set_gradient_writes(GradientWrites writes);
+  GradientWrites gradient_writes() const;
+  /// True when grad_data(param) may be written rather than added to: nothing
+  /// of this step is in it yet that the model's gradient must be added to
+  /// (false in add mode, where it holds zeros anyway).
+  bool grad_slot_is_clear(std::size_t param) const;
+
   // ------------------------------------------------------------ CUDA graphs (any stage)
   // A micro-step (the stage-3 gathers, forward, backward with its gradient
   // writes and reductions, finish_micro_step) captured once in a CUDA graph
@@ -332,6 +350,7 @@ class Engine {
   Communicator& shard_comm(Communicator& world);
 
   EngineOptions options_;
+  GradientWrites gradient_writes_ = GradientWrites::add;
   std::vector<ParamSpec> params_;
   std::vector<std::size_t> index_in_layout_;  // engine index -> index in layout_ or frozen_layout_
   std::vector<std::size_t> unit_of_;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "zero/core/error.hpp"
 
@@ -110,18 +111,16 @@ bool weight_and_bias_grad(const void* x, std::int64_t ldx, const void* dy, std::
     const std::uint32_t align_a = std::get<7>(key), align_b = std::get<8>(key), align_d = std::get<9>(key);
     cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace));
-    if (status == CUBLAS_STATUS_SUCCESS)
-      status = cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                                                    sizeof(align_a));
-    if (status == CUBLAS_STATUS_SUCCESS)
-      status = cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                                                    sizeof(align_b));
-    if (status == CUBLAS_STATUS_SUCCESS)
-      status = cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                                    sizeof(align_d));
-    if (status == CUBLAS_STATUS_SUCCESS)
-      status = cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                                    sizeof(align_d));
+    // The operands' alignments, so that the algorithm chosen holds for every
+    // call with this key (C is D: the same alignment).
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+    for (const auto& [attribute, bytes] : alignments)
+      if (status == CUBLAS_STATUS_SUCCESS)
+        status = cublasLtMatmulPreferenceSetAttribute(preference, attribute, &bytes, sizeof(bytes));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     if (status == CUBLAS_STATUS_SUCCESS)

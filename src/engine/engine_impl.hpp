@@ -112,14 +112,23 @@ struct Engine::Impl {
   std::vector<Event> download_events;
   std::size_t download_events_waited = 0;
   int micro_step = 0;  // micro-steps finished in this step; 0 again after step()
-  // Engine::GradientWrites::write_when_clear with a full gradient buffer:
-  // its slots are written, not added to, where clear, and never zeroed.
-  bool writes_full_grads = false;
+  /// How the model puts gradients into grad_data (Engine::set_gradient_writes).
+  Engine::GradientWrites gradient_writes = Engine::GradientWrites::add;
+  /// write_when_clear with a full gradient buffer: its slots are written, not
+  /// added to, where clear, and never zeroed (the bucket buffers of the other
+  /// stages are still added into).
+  bool writes_full_grads() const {
+    return gradient_writes == Engine::GradientWrites::write_when_clear && plan.full_grads;
+  }
+  /// The full buffer holds one micro-step's local gradient only: each is
+  /// reduced out of it into the shard accumulator (stages 0-1 on several ranks
+  /// without reduce_only_at_boundary).
+  bool reduces_full_grads_each_micro_step() const {
+    return plan.full_grads && plan.shard_accumulator && !plan.reduce_only_at_boundary;
+  }
   /// A slot of the full buffer holds nothing to add to: the first micro-step
   /// of a step, or every micro-step where each is reduced out of it.
-  bool full_grads_clear_each_micro_step() const {
-    return micro_step == 0 || (plan.shard_accumulator && !plan.reduce_only_at_boundary);
-  }
+  bool full_grads_clear_each_micro_step() const { return micro_step == 0 || reduces_full_grads_each_micro_step(); }
   // plan.streams_grads_to_host: the host's work on the streamed gradients
   // on a thread of its own: with accumulates_on_host the additions of staged
   // slices into the host gradient shard (per bucket the ticket of the last

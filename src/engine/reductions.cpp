@@ -140,7 +140,7 @@ void Engine::Impl::reset_gradients() {
   const Stream compute = backend.compute_stream();
   // Written, not added to, where clear: nothing to zero (padding was zeroed
   // at allocation, and reductions keep it zero).
-  if (grads_full && !writes_full_grads) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
+  if (grads_full && !writes_full_grads()) backend.fill_zero(grads_full, layout.padded_numel() * g_size, compute);
   // The shard accumulator is written only on the comm stream (reductions,
   // accumulation), where a delayed update's download of it is queued too:
   // zeroed there, after what the compute stream read of it (statistics, the
@@ -163,20 +163,19 @@ void Engine::set_gradient_writes(GradientWrites writes) {
   Impl& m = *impl_;
   ZERO_CHECK(m.micro_step == 0 && std::none_of(m.param_ready.begin(), m.param_ready.end(), [](char r) { return r != 0; }),
              "set_gradient_writes: only between steps (micro-step ", m.micro_step, " has begun)");
-  const bool write = writes == GradientWrites::write_when_clear && m.plan.full_grads;
+  const bool was_writing = m.writes_full_grads();
+  m.gradient_writes = writes;
   // Back to adding: the buffer's dead contents must be zeros again.
-  if (m.writes_full_grads && !write)
+  if (was_writing && !m.writes_full_grads())
     m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
-  m.writes_full_grads = write;
-  gradient_writes_ = writes;
 }
 
-Engine::GradientWrites Engine::gradient_writes() const { return gradient_writes_; }
+Engine::GradientWrites Engine::gradient_writes() const { return impl_->gradient_writes; }
 
 bool Engine::grad_slot_is_clear(std::size_t param) const {
   const Impl& m = *impl_;
   const std::size_t t = trainable_index(param, "grad_slot_is_clear");
-  return m.writes_full_grads && !m.param_ready[t] && m.full_grads_clear_each_micro_step();
+  return m.writes_full_grads() && !m.param_ready[t] && m.full_grads_clear_each_micro_step();
 }
 
 // Below, `param` indexes layout_ (the trainable parameters).
@@ -216,7 +215,7 @@ void Engine::finish_micro_step() {
   for (std::size_t p = 0; p < m.param_ready.size(); ++p) {
     if (m.param_ready[p]) continue;
     // No gradient: with a buffer that is not zeroed, zero the slot here.
-    if (m.writes_full_grads && m.full_grads_clear_each_micro_step()) {
+    if (m.writes_full_grads() && m.full_grads_clear_each_micro_step()) {
       const ParamSlot& slot = layout_.slots()[p];
       m.backend.fill_zero(m.grads_full + slot.offset * m.g_size, layout_.params()[p].numel * m.g_size,
                           m.backend.compute_stream());
@@ -238,7 +237,7 @@ void Engine::finish_micro_step() {
   if (last_micro_step) m.finish_host_work();  // the step reads the host gradients (and their statistics) next
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.
-  if (m.plan.full_grads && m.plan.shard_accumulator && !m.plan.reduce_only_at_boundary && !m.writes_full_grads)
+  if (m.reduces_full_grads_each_micro_step() && !m.writes_full_grads())
     m.backend.fill_zero(m.grads_full, layout_.padded_numel() * m.g_size, m.backend.compute_stream());
   std::fill(m.param_ready.begin(), m.param_ready.end(), 0);
   std::fill(m.bucket_ready_count.begin(), m.bucket_ready_count.end(), 0);

@@ -350,7 +350,6 @@ class Engine {
   Communicator& shard_comm(Communicator& world);
 
   EngineOptions options_;
-  GradientWrites gradient_writes_ = GradientWrites::add;
   std::vector<ParamSpec> params_;
   std::vector<std::size_t> index_in_layout_;  // engine index -> index in layout_ or frozen_layout_
   std::vector<std::size_t> unit_of_;

@@ -26,6 +26,7 @@
 #endif
 
 #include "gpu_test_main.hpp"  // doctest, after LibTorch; and main()
+#include "tensor_compare.hpp"
 
 using torch::Tensor;
 
@@ -47,17 +48,6 @@ Result run(F f, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor&
 }
 
 Tensor reference_linear(const Tensor& x, const Tensor& w, const Tensor& b) { return torch::linear(x, w, b); }
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         torch::equal(a.cpu(), b.cpu());
-}
-
-// Largest |a - ref| relative to max |ref|.
-[[maybe_unused]] double relative_error(const Tensor& a, const Tensor& ref) {
-  const Tensor x = a.detach().cpu().to(torch::kFloat64), y = ref.detach().cpu().to(torch::kFloat64);
-  return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item<double>();
-}
 
 struct Shape {
   std::vector<std::int64_t> x;  // [..., in]

@@ -27,6 +27,7 @@
 #endif
 
 #include "gpu_test_main.hpp"  // doctest, after LibTorch; and main()
+#include "tensor_compare.hpp"
 
 using torch::Tensor;
 
@@ -57,10 +58,6 @@ Result run_in_place(F f, const Tensor& h, const Tensor& dy) {
   Tensor out = f(leaf);
   out.backward(dy);
   return {out.detach(), leaf.grad()};
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a.cpu(), b.cpu());
 }
 
 // |a - b| <= atol_rel * max|b| + rtol * |b| everywhere, and at least

@@ -28,6 +28,7 @@
 #endif
 
 #include "gpu_test_main.hpp"  // doctest, after LibTorch; and main()
+#include "tensor_compare.hpp"
 
 
 using torch::Tensor;
@@ -86,11 +87,6 @@ Result run_reference(const Tensor& x, std::int64_t groups, const Tensor& w, cons
   return run([&](const Tensor& xl, const Tensor& wl, const Tensor& bl) {
     return composite(xl, groups, wl, bl, eps, silu);
   }, x.to(type).contiguous(), w.to(type), b.to(type), dy.to(type).contiguous());
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
-         torch::equal(a.cpu(), b.cpu());
 }
 
 // max |got - ref| <= max_rel * max|ref| and mean |got - ref| <= mean_rel * max|ref|.

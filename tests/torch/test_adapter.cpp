@@ -72,6 +72,18 @@ std::vector<torch::Tensor> train_reference(int world) {
   return out;
 }
 
+// The engine options every test here starts from: the stage and dtype asked
+// for, small buckets (alignment 4), AdamW at the test's learning rate and decay.
+EngineOptions test_options(int stage, DType dtype = DType::fp32) {
+  EngineOptions options;
+  options.stage = stage;
+  options.param_dtype = dtype;
+  options.buckets.alignment_elements = 4;
+  options.optimizer.lr = kLr;
+  options.optimizer.weight_decay = kDecay;
+  return options;
+}
+
 struct Result {
   std::vector<std::vector<float>> master;
   std::size_t max_live_params = 0, shard_params = 0;
@@ -81,12 +93,7 @@ struct Result {
 Result train_sharded(int stage, bool recompute, DType dtype, MpiCommunicator& comm, Backend& backend,
                      bool bind_gradients = false, int prefetch_units = 1) {
   Net net = make_net();
-  EngineOptions options;
-  options.stage = stage;
-  options.param_dtype = dtype;
-  options.buckets.alignment_elements = 4;
-  options.optimizer.lr = kLr;
-  options.optimizer.weight_decay = kDecay;
+  EngineOptions options = test_options(stage, dtype);
   options.buckets.prefetch_units = prefetch_units;
   ShardedModel model(adapter::units_by_child(*net), options, comm, backend);
   if (bind_gradients) model.bind_gradients_to_engine();
@@ -270,12 +277,7 @@ TEST_CASE("parameter groups: ShardedModel at stages 0..3 equals torch::optim::Ad
   for (int stage = 0; stage <= 3; ++stage) {
     CAPTURE(stage);
     Net net = make_net();
-    EngineOptions options;
-    options.stage = stage;
-    options.param_dtype = DType::fp32;
-    options.buckets.alignment_elements = 4;
-    options.optimizer.lr = kLr;
-    options.optimizer.weight_decay = kDecay;
+    EngineOptions options = test_options(stage);
     options.param_groups = groups;
     std::vector<std::string> all;
     for (auto& item : net->named_parameters()) all.push_back(item.key());
@@ -352,12 +354,7 @@ TEST_CASE("frozen parameters: ShardedModel at stages 0..3 equals torch::optim::A
       CAPTURE(recompute);
       Net net = make_net();
       for (auto& item : net->named_parameters()) item.value().requires_grad_(!frozen(item.key()));
-      EngineOptions options;
-      options.stage = stage;
-      options.param_dtype = DType::fp32;
-      options.buckets.alignment_elements = 4;
-      options.optimizer.lr = kLr;
-      options.optimizer.weight_decay = kDecay;
+      EngineOptions options = test_options(stage);
       ShardedModel model(adapter::units_by_child(*net), options, comm, *backend);
       CHECK(model.engine().frozen_count() == freeze.size());
       for (int step = 0; step < kSteps; ++step) {
@@ -400,13 +397,8 @@ TEST_CASE("gradients written, not added: the same bits as adding into zeros, wit
   auto backend = make_host_backend();
   auto train = [&](int stage, int accumulation, Engine::GradientWrites writes) {
     Net net = make_net();
-    EngineOptions options;
-    options.stage = stage;
+    EngineOptions options = test_options(stage);
     options.accumulation_steps = accumulation;
-    options.param_dtype = DType::fp32;
-    options.buckets.alignment_elements = 4;
-    options.optimizer.lr = kLr;
-    options.optimizer.weight_decay = kDecay;
     ShardedModel model(adapter::units_by_child(*net), options, comm, *backend);
     CHECK(model.engine().gradient_writes() == Engine::GradientWrites::write_when_clear);
     model.engine().set_gradient_writes(writes);

@@ -479,13 +479,6 @@ StepResult Engine::step() {
     m.comm_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   const bool nonfinite = global[1] > 0 || !std::isfinite(global[0]);
-  // The blocks this step kept beyond the cache's limit, freed now: trimming
-  // waits for both streams, and here the device has nothing left of the step
-  // but the statistics just read back. At the end of step() the wait also
-  // covered the update's kernels and the offloaded parameters' uploads
-  // (0.1-0.15 s at batch 8 with the delayed update), and the next forward
-  // was launched only after them instead of beside them.
-  m.pool.trim();
 
   // 2. The loss scale and the skip decision. The reduced gradient is the
   // rank average of the sum over micro-steps of (loss scale x gradient); the
@@ -521,6 +514,7 @@ StepResult Engine::step() {
 
   m.reset_gradients();
   m.micro_step = 0;
+  m.pool.trim();  // the blocks the step kept for reuse beyond the cache's limit
   result.host_to_device_bytes = std::exchange(m.bytes_to_device, 0);
   result.device_to_host_bytes = std::exchange(m.bytes_to_host, 0);
   const detail::BufferPool::Calls calls = m.pool.calls();

@@ -24,11 +24,7 @@ source bench/gpu/device_env.sh
 device_script_begin
 fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true"
 if has tests; then run_gpu_tests "gpu.sdxl"; fi
-if has trace; then
-  run_trainer "sdxl-trace-stage0-b1" 150 --stage 0 --batch_size 1 $fast --profile_step 15
-  python3 bench/gpu/kernel_summary.py "/tmp/sdxl-trace-stage0-b1/profile-step-15.json" --top 40 \
-    --json "$OUT_DIR/trace-stage0-b1.json" 2>&1 | tee -a "$LOG"
-fi
+if has trace; then trace_batch1_stage0; fi
 if has bench; then
   for round in $(seq 1 "${BENCH_ROUNDS:-2}"); do
     for batch in 1 8; do

@@ -39,13 +39,8 @@ if has hostbench; then
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-15} timeout 400 $BUILD/bench/gpu/gpu_bench_host_state --elements "${HOST_ELEMENTS:-805306368}" \
     --reps 5 --json "$OUT_DIR/host-state.json" 2>&1 | tee -a "$LOG"
 fi
-fast="--activation_checkpointing false --ema_decay 0 --channels_last true --cuda_graph true"
 if has tests; then run_gpu_tests "${TESTS:-gpu.sdxl.fused_linear|gpu.engine.np1|gpu.sdxl.train_graph}"; fi
-if has trace; then
-  run_trainer "sdxl-trace-stage0-b1" 150 --stage 0 --batch_size 1 $fast --profile_step 15
-  python3 bench/gpu/kernel_summary.py "/tmp/sdxl-trace-stage0-b1/profile-step-15.json" --top 40 \
-    --json "$OUT_DIR/trace-stage0-b1.json" 2>&1 | tee -a "$LOG"
-fi
+if has trace; then trace_batch1_stage0; fi
 if has offload; then
   gb8=$(batch8_config) || exit 1
   for round in $(seq 1 "${ROUNDS:-1}"); do

@@ -31,6 +31,16 @@ PY
   cp "/tmp/$name/metrics.jsonl" "$OUT_DIR/$name.jsonl" 2>/dev/null
 }
 
+# trace_batch1_stage0 [trainer options...]: the batch-1 step at stage 0
+# (CUDA graph, channels-last, no EMA, no checkpointing): a Kineto trace of
+# step 15, summed by kernel_summary.py into $OUT_DIR/trace-stage0-b1.json.
+trace_batch1_stage0() {
+  run_trainer "sdxl-trace-stage0-b1" 150 --stage 0 --batch_size 1 --activation_checkpointing false --ema_decay 0 \
+    --channels_last true --cuda_graph true --profile_step 15 "$@"
+  python3 bench/gpu/kernel_summary.py "/tmp/sdxl-trace-stage0-b1/profile-step-15.json" --top 40 \
+    --json "$OUT_DIR/trace-stage0-b1.json" 2>&1 | tee -a "$LOG"
+}
+
 # batch8_config: sdxl-1024.toml (EMA, checkpointing) at batch_size = 8, its
 # other settings kept, written to /tmp; prints the path. Fails loudly when
 # the config no longer has the line it rewrites.

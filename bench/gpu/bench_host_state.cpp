@@ -15,6 +15,7 @@
 // of the state the kernel reports backed by huge pages (AnonHugePages).
 //   gpu_bench_host_state --elements 805306368 --json bench/results/host-state.json
 #include <cuda_runtime.h>
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -25,7 +26,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "zero/core/error.hpp"
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   nlohmann::json out;
   out["elements"] = elements;
   out["slice"] = slice;
-  out["threads"] = std::thread::hardware_concurrency();
+  out["threads"] = omp_get_max_threads();  // the update's team (OMP_NUM_THREADS), not the cores
   out["thp_enabled"] = read_first_line("/sys/kernel/mm/transparent_hugepage/enabled");
   out["thp_defrag"] = read_first_line("/sys/kernel/mm/transparent_hugepage/defrag");
   std::printf("%zu elements (%.1f GB of state), slices of %zu, %d reps, THP: %s\n", elements,
@@ -143,7 +143,8 @@ int main(int argc, char** argv) {
     const std::size_t huge_before = anon_huge_bytes();
     Block master(k, elements * 4), m(k, elements * 4), v(k, elements * 4), ema(k, elements * 4),
         grad(k, elements * 2), copy(k, elements * 2);
-    const std::size_t huge = anon_huge_bytes() - std::min(anon_huge_bytes(), huge_before);
+    const std::size_t huge_after = anon_huge_bytes();
+    const std::size_t huge = huge_after - std::min(huge_after, huge_before);
     // Values that are not zeros: gradients of a few magnitudes, master ~1.
     auto* g = static_cast<std::uint16_t*>(grad.p);
     auto* w = static_cast<float*>(master.p);

@@ -84,6 +84,10 @@ std::vector<Option> options_of(TrainConfig& c) {
        "with offload_optimizer and accumulation: every micro-step's gradients stream to host memory and the CPU "
        "adds them (the same bits), so no gradient shard stays on the GPU (its whole size on one GPU); costs a "
        "pinned gradient shard on the host and a CPU pass per micro-step"},
+      {"zero", "offload_ema_on_device", &c.offload_ema_on_device,
+       "with offload_optimizer and an EMA, without offload_params: keep the EMA in GPU memory (4 bytes a "
+       "parameter of the rank's shard); the CPU update sends its fp32 master up and the GPU updates the EMA and "
+       "rounds the parameters, so the CPU moves 26 instead of 36 bytes a parameter (AdamW), the same bits"},
       {"zero", "offload_update_threads", &c.offload_update_threads,
        "with offload_optimizer: OpenMP threads of the CPU update that runs beside the GPU (the delayed update, the "
        "EMA); 0: OpenMP's default (OMP_NUM_THREADS, else the cores) less one, left to the thread that launches the "

@@ -163,6 +163,10 @@ void TrainConfig::validate() const {
   ZERO_CHECK(!offload_accumulate_on_host || accumulation_mode == "each",
              "offload_accumulate_on_host needs accumulation_mode = \"each\" (with \"boundary\" the micro-steps "
              "accumulate on the GPU before the one reduction), got \"", accumulation_mode, "\"");
+  ZERO_CHECK(!offload_ema_on_device || (offload_optimizer && ema_decay > 0 && !offload_params),
+             "offload_ema_on_device needs offload_optimizer = true, ema_decay > 0 and offload_params = false (it "
+             "keeps the EMA on the GPU beside the parameters), got offload_optimizer = ", offload_optimizer ? "true" : "false",
+             ", ema_decay = ", ema_decay, ", offload_params = ", offload_params ? "true" : "false");
   ZERO_CHECK(offload_update_threads >= 0 && offload_update_threads <= 4096,
              "offload_update_threads must be in [0, 4096] (0: the cores less one), got ", offload_update_threads);
   ZERO_CHECK(offload_gradient_threads >= 0 && offload_gradient_threads <= 4096,

@@ -35,7 +35,7 @@ DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpda
   // all-padding slices stay zero in both.
   if (m_.plan.params_on_host) {
     params_spare_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
-  } else {
+  } else if (!m_.plan.uploads_master) {  // sending the master up, the update writes no copy
     copies_[0] = copy_host_;
     copies_[1] = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
   }
@@ -45,6 +45,7 @@ DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpda
 DelayedOffloadUpdater::~DelayedOffloadUpdater() {
   if (thread_.joinable()) thread_.join();  // its error, if any, has no one left to go to
   release_downloads();
+  release_master_sent();
   for (Event& e : copy_uploaded_)
     if (e) {
       m_.backend.wait_event(e);
@@ -84,6 +85,11 @@ void DelayedOffloadUpdater::settle() {
 void DelayedOffloadUpdater::settle_for_reading() {
   join_ema();
   join();
+  if (pending_ema_decay_ == 0) return;
+  // The EMA on the device is read exact: the finished update's master goes
+  // up for it now, and again with the parameters at the next step().
+  for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) send_master(b, pending_ema_decay_, MasterUse::ema_only);
+  pending_ema_decay_ = 0;
 }
 
 void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
@@ -119,8 +125,10 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   std::byte* grads = grad_host_;
   if (m_.plan.streams_grads_to_host) std::swap(grad_host_, grad_host_spare_);
   else download_accumulated(grads);
-  std::byte* copy;
-  if (m_.plan.params_on_host) {
+  std::byte* copy = nullptr;  // plan.uploads_master: none, the device rounds the master
+  if (m_.plan.uploads_master) {
+    initialize_ema();  // on the device, from the master before this update writes it
+  } else if (m_.plan.params_on_host) {
     // The spare shard is the one this step's gathers read (swapped out at
     // the join): they are done (the statistics waited for the reductions
     // queued after them), which the event makes certain before it is rewritten.
@@ -142,17 +150,21 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   const bool first_ema = m_.ema && !m_.ema_initialized;
   m_.ema_initialized = m_.ema_initialized || first_ema;
   upload_pending_ = true;
+  pending_ema_decay_ = m_.plan.uploads_master && m_.ema ? args.ema_decay : 0;
   error_ = nullptr;
   // The thread keeps its own copy of the arguments (the optimizer options
   // outlive it: they are the engine's) and of the download events (released
   // at the join, on this thread).
-  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_] {
+  // And of the events of the master's last copies up (uploads_master): a
+  // slice is rewritten only once its copy is done.
+  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_, sent = master_sent_] {
     const auto start = std::chrono::steady_clock::now();
     try {
       omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
       if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
       for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
+        if (sent[b]) m_.backend.wait_event(sent[b]);              // its master slice went up
         update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
       }
     } catch (...) {
@@ -168,6 +180,7 @@ double DelayedOffloadUpdater::join() {
   thread_.join();
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   release_downloads();
+  release_master_sent();  // the thread waited for each
   if (error_) {
     upload_pending_ = false;
     std::rethrow_exception(std::exchange(error_, nullptr));
@@ -187,6 +200,14 @@ void DelayedOffloadUpdater::upload() {
   }
   // The device may still be running backward, which reads the parameters.
   m_.order_after(m_.backend.comm_stream(), m_.backend.compute_stream());
+  if (m_.plan.uploads_master) {
+    for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b)
+      send_master(b, pending_ema_decay_, MasterUse::params_and_gather);
+    pending_ema_decay_ = 0;
+    finish_uploads();
+    upload_pending_ = false;
+    return;
+  }
   for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) upload_bucket(b, copies_[update_copy_]);
   copy_uploaded_[update_copy_] = m_.backend.record_event(m_.backend.comm_stream());
   finish_uploads();

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "engine_impl.hpp"
 
@@ -29,7 +30,10 @@ std::map<detail::Category, std::vector<std::size_t>> block_sizes_of(const FlatLa
   for (const Bucket& b : layout.buckets()) largest_shard = std::max(largest_shard, b.shard_size);
   const std::size_t largest = largest_bucket_of(layout);
   const std::size_t g = size_of(o.effective_grad_dtype());
-  return {{detail::kParams, {largest * size_of(o.param_dtype)}}, {detail::kBuffers, {largest * g, largest_shard * g}}};
+  std::vector<std::size_t> buffers = {largest * g, largest_shard * g};
+  // offload.ema_on_device: the fp32 master slices sent up, one bucket at a time.
+  if (o.offload.optimizer && o.offload.ema_on_device) buffers.push_back(largest_shard * 4);
+  return {{detail::kParams, {largest * size_of(o.param_dtype)}}, {detail::kBuffers, buffers}};
 }
 std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
   const std::size_t widest = std::max(size_of(o.param_dtype), size_of(o.effective_grad_dtype()));
@@ -59,14 +63,13 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   else if (plan.params_on_host) param_shard = pool.allocate_host(kParams, shard * p_size);
   else param_shard = pool.allocate(kParams, shard * p_size);
   const std::size_t optimizer_bytes = plan.optimizer_elements(full) * 4;
-  auto allocate_state = [&](Category c) {
-    return plan.optimizer_on_host ? pool.allocate_host<float>(c, optimizer_bytes)
-                                  : pool.allocate<float>(c, optimizer_bytes);
+  auto allocate_state = [&](Category c, bool on_host) {
+    return on_host ? pool.allocate_host<float>(c, optimizer_bytes) : pool.allocate<float>(c, optimizer_bytes);
   };
-  if (plan.has_master) master = allocate_state(kMaster);
-  if (plan.state_slots >= 1) state0 = allocate_state(kState);
-  if (plan.state_slots >= 2) state1 = allocate_state(kState);
-  if (plan.ema) ema = allocate_state(kEma);
+  if (plan.has_master) master = allocate_state(kMaster, plan.optimizer_on_host);
+  if (plan.state_slots >= 1) state0 = allocate_state(kState, plan.optimizer_on_host);
+  if (plan.state_slots >= 2) state1 = allocate_state(kState, plan.optimizer_on_host);
+  if (plan.ema) ema = allocate_state(kEma, plan.ema_on_host);
   if (plan.full_grads) grads_full = pool.allocate(kGrads, full * g_size);
   if (plan.grad_shard_on_device()) grad_shard = pool.allocate(kGrads, shard * g_size);
   // Frozen parameters: their model-dtype values where the trainable ones
@@ -97,6 +100,7 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
   unit_buffer.assign(buckets, nullptr);
   unit_refs.assign(buckets, 0);
   unit_work.resize(buckets);
+  unit_ready.assign(buckets, nullptr);
   param_gathers.resize(buckets);
   for (std::size_t b = 0; b < buckets; ++b)
     segments.push_back(segments_of(own_offset(b), own_offset(b) + layout.buckets()[b].shard_size));
@@ -138,6 +142,7 @@ Engine::Impl::~Impl() {
   param_gathers.clear();
   unit_work.clear();
   frozen_unit_work.clear();
+  for (Event& ready : unit_ready) backend.release_event(std::exchange(ready, nullptr));
   for (std::size_t u = 0; u < frozen_unit_buffer.size(); ++u)
     pool.free(frozen_unit_buffer[u], frozen_layout.buckets()[u].padded * p_size);
   pool.free(frozen_full, frozen_layout.padded_numel() * p_size);
@@ -152,7 +157,7 @@ Engine::Impl::~Impl() {
   else pool.free(param_shard, shard * p_size);
   const std::size_t optimizer_bytes = plan.optimizer_elements(full) * 4;
   for (float* state : {master, state0, state1, ema}) {
-    if (plan.optimizer_on_host) pool.free_host(state, optimizer_bytes);
+    if (state_on_host(state)) pool.free_host(state, optimizer_bytes);
     else pool.free(state, optimizer_bytes);
   }
   pool.free(grads_full, full * g_size);
@@ -227,7 +232,11 @@ void Engine::Impl::finish_param_gather(std::size_t b) {
   if (!param_gathers[b]) return;
   wait_for_collective(*param_gathers[b]);
   param_gathers[b].reset();
-  order_after(backend.compute_stream(), backend.comm_stream());
+  // The host waited for this bucket's gather: the compute stream's work from
+  // here on runs after it. Waiting on the comm stream's tail instead held the
+  // first forward kernel back until every bucket's gather (offloaded: every
+  // upload) was done. A capture cannot wait on the host: it waits on the device.
+  if (capturing) order_after(backend.compute_stream(), backend.comm_stream());
 }
 
 void Engine::Impl::finish_param_gathers() {
@@ -248,13 +257,13 @@ void Engine::Impl::settle_for_reading() {
   finish_param_gathers();
 }
 
-void Engine::Impl::state_to_host(void* host_dst, const void* state, std::size_t bytes) {
-  if (plan.optimizer_on_host) backend.host_copy(host_dst, state, bytes);
+void Engine::Impl::state_to_host(void* host_dst, const float* state, std::size_t bytes) {
+  if (state_on_host(state)) backend.host_copy(host_dst, state, bytes);
   else backend.copy_to_host(host_dst, state, bytes);
 }
 
-void Engine::Impl::state_from_host(void* state, const void* host_src, std::size_t bytes) {
-  if (plan.optimizer_on_host) backend.host_copy(state, host_src, bytes);
+void Engine::Impl::state_from_host(float* state, const void* host_src, std::size_t bytes) {
+  if (state_on_host(state)) backend.host_copy(state, host_src, bytes);
   else backend.copy_from_host(state, host_src, bytes);
 }
 
@@ -485,6 +494,10 @@ StepResult Engine::step() {
   // optimizer wants the plain mean.
   const double divisor = scaler_.scale() * options_.accumulation_steps;
   const bool proceed = scaler_.update(nonfinite) && !nonfinite;
+  // Blocks beyond the cache's limit go back here, not at the end: cudaFree
+  // waits for the whole device, and here both streams are idle (the
+  // statistics were read) before the update queues its uploads.
+  m.pool.trim();
   m.updater->finish_previous(result);
   if (m.host_worker) {
     result.host_add_wait_seconds = m.host_worker->take_wait_seconds();
@@ -514,7 +527,6 @@ StepResult Engine::step() {
 
   m.reset_gradients();
   m.micro_step = 0;
-  m.pool.trim();  // the blocks the step kept for reuse beyond the cache's limit
   result.host_to_device_bytes = std::exchange(m.bytes_to_device, 0);
   result.device_to_host_bytes = std::exchange(m.bytes_to_host, 0);
   const detail::BufferPool::Calls calls = m.pool.calls();

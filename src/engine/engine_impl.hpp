@@ -173,6 +173,11 @@ struct Engine::Impl {
   std::vector<std::byte*> unit_buffer;
   std::vector<int> unit_refs;
   std::vector<WorkPtr> unit_work;
+  /// Stage 3: an event recorded on the comm stream after a unit's gathers
+  /// (trainable and frozen) were issued. The compute stream waits on it,
+  /// not on the comm stream's tail, which holds the prefetches of the units
+  /// after it (offloaded: their uploads as well).
+  std::vector<Event> unit_ready;
   /// Stage 3 on a device communicator: a unit's gather is ordered before its
   /// use on the device (order_after), so the host does not wait for it when
   /// the unit is entered. Waiting there drained the queue of launched kernels
@@ -245,10 +250,19 @@ struct Engine::Impl {
     if (plan.gathers_units) return param_shard + layout.buckets()[b].shard_offset * p_size;
     return params_full + own_offset(b) * p_size;
   }
+  /// Whether the fp32 state at `state` (in the master, the optimizer state or
+  /// the EMA) lives in host memory: offloaded, and for the EMA not kept on
+  /// the device (offload.ema_on_device).
+  bool state_on_host(const float* state) const {
+    const std::less<const float*> before;
+    const bool in_ema = ema != nullptr && !before(state, ema) &&
+                        before(state, ema + plan.optimizer_elements(layout.padded_numel()));
+    return in_ema ? plan.ema_on_host : plan.optimizer_on_host;
+  }
   // fp32 state slices to and from host memory: a plain copy when the state
-  // is offloaded, a device transfer otherwise.
-  void state_to_host(void* host_dst, const void* state, std::size_t bytes);
-  void state_from_host(void* state, const void* host_src, std::size_t bytes);
+  // lives there, a device transfer otherwise.
+  void state_to_host(void* host_dst, const float* state, std::size_t bytes);
+  void state_from_host(float* state, const void* host_src, std::size_t bytes);
 };
 
 }  // namespace zero

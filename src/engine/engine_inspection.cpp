@@ -74,7 +74,7 @@ void Engine::visit_params(Weights which, const ParamVisitor& visit) {
   };
   visit_layout(layout_, trained_param, DType::fp32, nullptr, [&](std::size_t b, void* buffer) {
     const float* own = ema ? m.optimizer_slice(m.ema, b) : m.master_slice(b);
-    return m.gather_bucket(b, buffer, DType::fp32, own, m.plan.optimizer_on_host);
+    return m.gather_bucket(b, buffer, DType::fp32, own, m.state_on_host(own));
   });
   visit_layout(frozen_layout_, frozen_param, m.pdt, m.frozen_full, [&](std::size_t b, void* buffer) {
     const std::byte* own = m.frozen_shard + frozen_layout_.buckets()[b].shard_offset * m.p_size;
@@ -119,7 +119,8 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
   float* gathered = static_cast<float*>(be.allocate(largest * 4));
   try {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
-      m.gather_bucket(b, gathered, DType::fp32, slice(b), m.plan.optimizer_on_host)->wait();
+      const float* own = slice(b);
+      m.gather_bucket(b, gathered, DType::fp32, own, m.state_on_host(own))->wait();
       be.synchronize(be.comm_stream());
       be.copy_to_host(host.data() + buckets[b].offset, gathered, buckets[b].padded * 4);
     }

@@ -83,6 +83,7 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
              " micro-steps done); save between steps");
   m.settle();
   be.synchronize(be.compute_stream());
+  be.synchronize(be.comm_stream());  // offload.ema_on_device: the EMA is updated there
   const std::size_t shard = layout_.shard_numel();
   auto collect = [&](auto slice_of) {
     std::vector<float> host(shard);

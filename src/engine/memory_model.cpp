@@ -22,8 +22,8 @@ MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_num
   if (!plan.optimizer_on_host) {
     m.master = plan.has_master ? optimizer : 0;
     m.optimizer_state = static_cast<std::size_t>(plan.state_slots) * optimizer;
-    m.ema = plan.ema ? optimizer : 0;
   }
+  if (plan.ema && !plan.ema_on_host) m.ema = optimizer;
   return m;
 }
 
@@ -39,7 +39,7 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   const std::size_t frozen_shard = frozen_padded_numel / static_cast<std::size_t>(plan.world_size);
   h.master = shard * 4;
   h.optimizer_state = static_cast<std::size_t>(plan.state_slots) * shard * 4;
-  h.ema = plan.ema ? shard * 4 : 0;
+  h.ema = plan.ema && plan.ema_on_host ? shard * 4 : 0;
   h.params = plan.params_on_host ? (shard + frozen_shard) * plan.param_bytes() : 0;
   // The gradient shard copied down, and (unless the CPU writes offloaded
   // parameters in place) the updated model-dtype shard copied back up. The
@@ -51,7 +51,9 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   // staging shard that the CPU adds from.
   const std::size_t grad_shards =
       (plan.delayed_update && plan.streams_grads_to_host ? 2 : 1) + (plan.accumulates_on_host ? 1 : 0);
-  const std::size_t param_copies = (plan.params_on_host ? 0 : 1) + (plan.delayed_update ? 1 : 0);
+  // Sending the master up (uploads_master), the update writes no copy.
+  const std::size_t param_copies =
+      plan.uploads_master ? 0 : (plan.params_on_host ? 0 : 1) + (plan.delayed_update ? 1 : 0);
   h.buffers = shard * (grad_shards * plan.grad_bytes() + param_copies * plan.param_bytes());
   return h;
 }

@@ -18,12 +18,20 @@ namespace zero::detail {
 OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
   const std::size_t shard = m_.layout.shard_numel();
   grad_host_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
-  if (!m_.plan.params_on_host) copy_host_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  // Sending the master up, the device rounds it: no model-dtype copy on the host.
+  if (!m_.plan.params_on_host && !m_.plan.uploads_master) copy_host_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
+  master_sent_.assign(m_.layout.buckets().size(), nullptr);
   if (m_.plan.accumulates_on_host) grad_staging_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
 }
 
 OffloadUpdater::~OffloadUpdater() {
   if (ema_thread_.joinable()) ema_thread_.join();  // its error, if any, has no one left to go to
+  try {
+    m_.backend.synchronize(m_.backend.comm_stream());  // the copies of the master up read host memory
+  } catch (...) {
+    // A failed device has stopped its copies; the memory goes either way.
+  }
+  release_master_sent();
   const std::size_t shard = m_.layout.shard_numel();
   m_.pool.free_host(grad_host_, shard * m_.g_size);
   m_.pool.free_host(copy_host_, shard * m_.p_size);
@@ -33,7 +41,12 @@ OffloadUpdater::~OffloadUpdater() {
 void OffloadUpdater::initialize_ema() {
   // The average starts at the weights before the first update.
   if (!m_.ema || m_.ema_initialized) return;
-  m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
+  if (m_.plan.uploads_master) {  // up before the update rewrites the master (once)
+    m_.copy_to_device(m_.ema, m_.master, m_.layout.shard_numel() * 4, m_.backend.comm_stream());
+    m_.backend.synchronize(m_.backend.comm_stream());
+  } else {
+    m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
+  }
   m_.ema_initialized = true;
 }
 
@@ -47,7 +60,9 @@ void OffloadUpdater::apply(const UpdateArgs& args, StepResult& result) {
 }
 
 void OffloadUpdater::start_ema(double decay) {
-  if (!m_.ema || decay == 0) return;  // 0: a step between two EMA updates (EmaOptions::every)
+  // 0: a step between two EMA updates (EmaOptions::every). On the device,
+  // the EMA was updated as the master went up.
+  if (!m_.ema || decay == 0 || m_.plan.uploads_master) return;
   ZERO_ASSERT(!ema_thread_.joinable(), "an EMA update is already running");
   ema_error_ = nullptr;
   ema_thread_ = std::thread([this, decay] {
@@ -80,14 +95,14 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   u.grad_dtype = m_.gdt;
   u.state0 = m_.state0 ? m_.state0 + at : nullptr;
   u.state1 = m_.state1 ? m_.state1 + at : nullptr;
-  u.model_copy = copy + at * m_.p_size;
+  u.model_copy = copy ? copy + at * m_.p_size : nullptr;  // none: the device rounds the master sent up
   u.model_dtype = m_.pdt;
   u.count = bucket.shard_size;
   // The EMA in the update's own pass: each new master value goes into the
   // average from a register (the same bits as a second pass over the master,
   // which read it back and cost a second parallel region per slice). One
   // call per group run (element-wise kernels: the same bits at any cut).
-  if (m_.ema && with_ema && args.ema_decay > 0) {
+  if (m_.ema && with_ema && args.ema_decay > 0 && m_.plan.ema_on_host) {
     u.ema = m_.ema + at;
     u.ema_decay = args.ema_decay;
   }
@@ -105,6 +120,28 @@ void OffloadUpdater::upload_bucket(std::size_t b, const std::byte* copy) {
   } else {
     m_.copy_to_device(m_.own_params(b), slice, bucket.shard_size * m_.p_size, m_.backend.comm_stream());
   }
+}
+
+void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use) {
+  Backend& be = m_.backend;
+  const Stream transfer = be.comm_stream();
+  const Bucket& bucket = m_.layout.buckets()[b];
+  const std::size_t n = bucket.shard_size;
+  // One bucket's fp32 slice at a time through a pool block: the copy, the
+  // EMA and the rounding are queued in that order on one stream, so the
+  // block is free for the next bucket once they are done.
+  auto* staging = reinterpret_cast<float*>(m_.pool.acquire(kBuffers, n * 4, transfer));
+  m_.copy_to_device(staging, m_.optimizer_slice(m_.master, b), n * 4, transfer);
+  be.release_event(std::exchange(master_sent_[b], be.record_event(transfer)));
+  if (ema_decay > 0) be.ema_update(m_.optimizer_slice(m_.ema, b), staging, n, ema_decay, transfer);
+  if (use != MasterUse::ema_only) be.convert(staging, DType::fp32, m_.own_params(b), m_.pdt, n, transfer);
+  if (use == MasterUse::params_and_gather && m_.plan.gathers_params_after_step)
+    m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, m_.own_params(b), false);
+  m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(staging), n * 4, transfer);
+}
+
+void OffloadUpdater::release_master_sent() {
+  for (Event& e : master_sent_) m_.backend.release_event(std::exchange(e, nullptr));
 }
 
 void OffloadUpdater::finish_uploads() {
@@ -136,7 +173,8 @@ void OffloadUpdater::update_now(const UpdateArgs& args) {
       }
       // Offloaded parameters are updated where they live; nothing goes up.
       update_bucket(b, args, grad_host_, m_.plan.params_on_host ? m_.param_shard : copy_host_, false);
-      if (!m_.plan.params_on_host) upload_bucket(b, copy_host_);
+      if (m_.plan.uploads_master) send_master(b, args.ema_decay, MasterUse::params_and_gather);
+      else if (!m_.plan.params_on_host) upload_bucket(b, copy_host_);
     }
   } catch (...) {
     for (Event e : down) be.release_event(e);
@@ -152,6 +190,11 @@ void OffloadUpdater::parameters_from_master() {
     const std::size_t at = buckets[b].shard_offset, n = buckets[b].shard_size;
     if (m_.plan.params_on_host) {  // the shard lives on the host: written in place
       be.host_convert(m_.master + at, DType::fp32, m_.param_shard + at * m_.p_size, m_.pdt, n);
+      continue;
+    }
+    if (m_.plan.uploads_master) {  // rounded on the device, as after every step
+      send_master(b, 0, MasterUse::params);
+      if (b + 1 == buckets.size()) m_.order_after(be.compute_stream(), be.comm_stream());
       continue;
     }
     be.host_convert(m_.master + at, DType::fp32, copy_host_ + at * m_.p_size, m_.pdt, n);

@@ -66,6 +66,11 @@ void EngineOptions::validate() const {
              "EngineOptions.offload: offload_accumulate_on_host adds each micro-step's reduced gradients on the "
              "host; with accumulation_mode boundary the micro-steps accumulate on the device before the one "
              "reduction (use accumulation_mode each)");
+  ZERO_CHECK(!offload.ema_on_device || (offload.optimizer && ema.enabled() && !offload.params),
+             "EngineOptions.offload: offload_ema_on_device needs offload_optimizer and an EMA, without "
+             "offload_params (got ", offload.optimizer ? "" : "no offload_optimizer, ",
+             ema.enabled() ? "" : "no EMA (ema_decay 0), ", offload.params ? "offload_params, " : "", "stage ", stage,
+             "): it keeps the EMA beside parameters that live on the device");
   ZERO_CHECK(offload.update_threads >= 0, "EngineOptions.offload.update_threads must be >= 0 (0: OpenMP's default less one), got ",
              offload.update_threads);
   ZERO_CHECK(offload.gradient_worker_threads >= 0,
@@ -136,6 +141,8 @@ StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
 
   p.optimizer_full = o.stage == 0;
   p.optimizer_on_host = o.offload.optimizer;
+  p.uploads_master = o.offload.optimizer && o.offload.ema_on_device;
+  p.ema_on_host = o.offload.optimizer && !p.uploads_master;
   p.has_master = o.param_dtype != DType::fp32 || o.offload.optimizer;
   p.state_slots = o.optimizer.state_slots();
   p.ema = o.ema.enabled();

@@ -1,6 +1,7 @@
 // Stage 3's unit gathers and the unit schedule: gather, prefetch (how many
 // units ahead: buckets.prefetch_units), release, and dropping prefetches the
 // state has outlived. Split from engine.cpp by concern.
+#include <utility>
 #include <vector>
 
 #include "engine_impl.hpp"
@@ -20,6 +21,7 @@ void Engine::Impl::drop_unused_prefetches() {
       wait_for_collective(**work);  // its error, if any, surfaces here
       work->reset();
     }
+    backend.release_event(std::exchange(unit_ready[u], nullptr));
     // Only the comm stream (the gather) wrote them.
     if (unit_buffer[u]) pool.give_back(kParams, unit_buffer[u], layout.buckets()[u].padded * p_size, backend.comm_stream());
     unit_buffer[u] = nullptr;
@@ -42,12 +44,14 @@ void Engine::prefetch_unit(std::size_t unit) {
                                       m.plan.params_on_host);
   // The unit's frozen parameters, where it has any (they are never written:
   // no ordering after the optimizer needed).
-  if (!m.has_frozen() || frozen_layout_.buckets()[unit].param_count == 0) return;
-  const Bucket& frozen = frozen_layout_.buckets()[unit];
-  m.frozen_unit_buffer[unit] = m.pool.acquire(kParams, frozen.padded * m.p_size, m.backend.comm_stream());
-  m.frozen_unit_work[unit] =
-      m.gather_bucket_of(frozen_layout_, unit, m.frozen_unit_buffer[unit], m.pdt,
-                         m.frozen_shard + frozen.shard_offset * m.p_size, m.plan.params_on_host);
+  if (m.has_frozen() && frozen_layout_.buckets()[unit].param_count > 0) {
+    const Bucket& frozen = frozen_layout_.buckets()[unit];
+    m.frozen_unit_buffer[unit] = m.pool.acquire(kParams, frozen.padded * m.p_size, m.backend.comm_stream());
+    m.frozen_unit_work[unit] =
+        m.gather_bucket_of(frozen_layout_, unit, m.frozen_unit_buffer[unit], m.pdt,
+                           m.frozen_shard + frozen.shard_offset * m.p_size, m.plan.params_on_host);
+  }
+  m.unit_ready[unit] = m.backend.record_event(m.backend.comm_stream());
 }
 
 void Engine::gather_unit(std::size_t unit) {
@@ -64,7 +68,13 @@ void Engine::gather_unit(std::size_t unit) {
     m.check_gather_later(std::move(*work));
     issued = true;
   }
-  if (issued) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
+  if (issued) {
+    // An event recorded before a capture began cannot be waited on inside
+    // it: there the compute stream waits on the comm stream's tail.
+    if (m.capturing) m.order_after(m.backend.compute_stream(), m.backend.comm_stream());
+    else m.backend.stream_wait(m.backend.compute_stream(), m.unit_ready[unit]);
+  }
+  m.backend.release_event(std::exchange(m.unit_ready[unit], nullptr));
   ++m.unit_refs[unit];
 }
 

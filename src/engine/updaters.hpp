@@ -4,6 +4,7 @@
 #include <array>
 #include <exception>
 #include <thread>
+#include <vector>
 
 #include "engine_impl.hpp"
 
@@ -58,11 +59,22 @@ class OffloadUpdater : public Updater {
   void upload_bucket(std::size_t b, const std::byte* copy);
   /// Stage 3 (parameters on the device): the next forward waits for the uploads.
   void finish_uploads();
+  /// What a master slice sent up (plan.uploads_master) is used for on the device.
+  enum class MasterUse { ema_only, params, params_and_gather };
+  /// offload.ema_on_device: bucket b's fp32 master slice up into a staging
+  /// block; the device adds it into the EMA (ema_decay > 0) and, unless
+  /// ema_only, rounds it into this rank's parameters (and starts the
+  /// bucket's all-gather where stages 1-2 gather after the step). Records
+  /// master_sent_[b]: the host must not rewrite the slice before it.
+  void send_master(std::size_t b, double ema_decay, MasterUse use);
+  /// Releases master_sent_ (the copies are done, or no one waits for them).
+  void release_master_sent();
 
   Engine::Impl& m_;
   std::byte* grad_host_ = nullptr;  // the reduced gradient shard, copied down
   std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
   std::byte* grad_staging_ = nullptr;  // plan.accumulates_on_host: later micro-steps' slices, added into grad_host_
+  std::vector<Event> master_sent_;     // plan.uploads_master, per bucket: the last copy of its master slice up
   std::thread ema_thread_;
   std::exception_ptr ema_error_;
 };
@@ -108,6 +120,7 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   std::exception_ptr error_;
   double update_seconds_ = 0;
   bool upload_pending_ = false;  // an update finished (or running) whose values are not up yet
+  double pending_ema_decay_ = 0;  // plan.uploads_master: the decay the device's EMA still owes that update
 };
 
 }  // namespace zero::detail

@@ -192,16 +192,21 @@ TEST_CASE("the EMA follows the master weights by its definition, every step and 
   struct EmaPlacement {
     int stage;
     bool offload, offload_params, delayed;
+    bool ema_on_device = false;
   };
+  // (ema_on_device: offloaded with the EMA kept on the device; the delayed
+  // update's EMA is read before its parameters go up.)
   for (const EmaPlacement v : {EmaPlacement{0, false, false, false}, EmaPlacement{2, false, false, false},
                                EmaPlacement{1, true, false, false}, EmaPlacement{3, true, true, false},
-                               EmaPlacement{2, true, false, true}}) {
+                               EmaPlacement{2, true, false, true}, EmaPlacement{2, true, false, true, true},
+                               EmaPlacement{3, true, false, false, true}}) {
     std::vector<std::vector<float>> by_every[2];
     for (int every : {1, 3}) {
       CAPTURE(v.stage);
       CAPTURE(v.offload);
       CAPTURE(v.offload_params);
       CAPTURE(v.delayed);
+      CAPTURE(v.ema_on_device);
       CAPTURE(every);
       EngineOptions o;
       o.stage = v.stage;
@@ -213,6 +218,7 @@ TEST_CASE("the EMA follows the master weights by its definition, every step and 
       o.offload.optimizer = v.offload;
       o.offload.params = v.offload_params;
       o.offload.delayed_update = v.delayed;
+      o.offload.ema_on_device = v.ema_on_device;
       Engine engine(mlp_units(), o, comm, *backend);
       init_random_params(engine);
       std::vector<std::vector<float>> expected = engine.gather_master_params();
@@ -300,6 +306,11 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       Config offloaded = c;
       offloaded.offload = true;
       check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
+      // The EMA kept on the device: the master goes up, and the device
+      // updates the EMA from it and rounds it into the parameters.
+      Config ema_on_device = offloaded;
+      ema_on_device.ema_on_device = true;
+      check_bitwise_same_training(train_sharded(ema_on_device, stage, comm, *backend), on_device);
       // Several micro-steps each reduced: also added on the host instead of
       // on the device (the same fp32 add and rounding).
       const bool host_accumulation = c.accumulation > 1 && c.mode == GradAccumulation::reduce_each_micro_step;
@@ -359,22 +370,29 @@ TEST_CASE("offload: each step reports the bytes it moved between host and device
   // added on the host; accumulated on the device: once, at step()) and the
   // updated parameter shard goes up once; the delayed update's goes up at the
   // next step(). Without offload nothing crosses.
+  // With the EMA on the device the fp32 master goes up instead (4 bytes an
+  // element), and at the first update the EMA's starting weights once.
   struct Case {
     int stage, accumulation;
     bool accumulate_on_host, delayed;
     std::size_t downloads;  // gradient shards down per step
+    bool ema_on_device = false;
   };
   for (const Case& k : {Case{1, 1, false, false, 1}, Case{2, 1, false, false, 1}, Case{2, 3, false, false, 1},
-                        Case{2, 3, true, false, 3}, Case{2, 1, false, true, 1}, Case{1, 2, true, true, 2}}) {
+                        Case{2, 3, true, false, 3}, Case{2, 1, false, true, 1}, Case{1, 2, true, true, 2},
+                        Case{2, 1, false, false, 1, true}, Case{3, 2, false, true, 1, true}}) {
     CAPTURE(k.stage);
     CAPTURE(k.accumulation);
     CAPTURE(k.accumulate_on_host);
     CAPTURE(k.delayed);
+    CAPTURE(k.ema_on_device);
     Config c;
     c.dtype = DType::bf16;
     c.accumulation = k.accumulation;
     c.offload = true;
     c.accumulate_on_host = k.accumulate_on_host;
+    c.ema_on_device = k.ema_on_device;
+    c.ema_decay = k.ema_on_device ? 0.9 : 0;
     EngineOptions o = engine_options(c, k.stage);
     o.offload.delayed_update = k.delayed;
     Engine engine(mlp_units(), o, comm, *backend);
@@ -387,7 +405,9 @@ TEST_CASE("offload: each step reports the bytes it moved between host and device
       // The delayed update's first step sends nothing up: its update is
       // still running (it goes up at step 2).
       const bool uploads = !k.delayed || step > 1;
-      CHECK(r.host_to_device_bytes == (uploads ? shard * size_of(DType::bf16) : 0));
+      const std::uint64_t per_element = k.ema_on_device ? 4 : size_of(DType::bf16);
+      const std::uint64_t ema_start = k.ema_on_device && step == 1 ? shard * 4 : 0;
+      CHECK(r.host_to_device_bytes == (uploads ? shard * per_element : 0) + ema_start);
     }
   }
   Config c;
@@ -396,6 +416,47 @@ TEST_CASE("offload: each step reports the bytes it moved between host and device
   const StepResult r = run_step(on_device, 1, comm.rank(), StepGradient::noise);
   CHECK(r.device_to_host_bytes == 0);
   CHECK(r.host_to_device_bytes == 0);
+}
+
+TEST_CASE("offload.ema_on_device: the EMA in device memory, no model-dtype copy on the host; refused without use") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  for (const bool delayed : {false, true}) {
+    CAPTURE(delayed);
+    Config c;
+    c.dtype = DType::bf16;
+    c.offload = true;
+    c.ema_decay = 0.9;
+    EngineOptions o = engine_options(c, 2);
+    o.offload.delayed_update = delayed;
+    Engine on_host(mlp_units(), o, comm, *backend);
+    o.offload.ema_on_device = true;
+    Engine on_device(mlp_units(), o, comm, *backend);
+    CHECK(on_device.plan().uploads_master);
+    CHECK_FALSE(on_device.plan().ema_on_host);
+    const std::size_t shard = on_device.layout().shard_numel();
+    CHECK(on_host.memory().ema == 0);
+    CHECK(on_device.memory().ema == shard * 4);
+    CHECK(on_device.host_memory().ema == 0);
+    // No model-dtype staging copy (two with the delayed update).
+    CHECK(on_device.host_memory().buffers + (delayed ? 2 : 1) * shard * size_of(DType::bf16) ==
+          on_host.host_memory().buffers);
+    CHECK(on_device.memory().total() == on_device.predicted_model_state().total());
+    CHECK(on_device.host_memory().total() == on_device.predicted_host_state().total());
+  }
+  Config c;
+  c.ema_decay = 0.9;
+  c.ema_on_device = true;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, *backend),
+                       doctest::Contains("offload_ema_on_device needs offload_optimizer"), InvalidArgument);
+  c.offload = true;
+  c.ema_decay = 0;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, *backend),
+                       doctest::Contains("no EMA (ema_decay 0)"), InvalidArgument);
+  c.ema_decay = 0.9;
+  c.offload_params = true;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 3), comm, *backend),
+                       doctest::Contains("offload_params"), InvalidArgument);
 }
 
 TEST_CASE("offload_params below stage 3 or without the optimizer offloaded is refused") {

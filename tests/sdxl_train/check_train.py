@@ -133,6 +133,18 @@ check(g[3] != a[3], "delayed update: step 3 sees one-update-old parameters (its 
 g_first = sum(g[s] for s in (1, 2, 3)) / 3
 g_last = sum(g[s] for s in range(STEPS - 4, STEPS + 1)) / 5
 check(g_last < 0.5 * g_first, f"delayed update: the loss falls by more than half ({g_first:.4f} -> {g_last:.4f})")
+# The EMA kept on the GPU (offload_ema_on_device): the fp32 master goes up,
+# and the device updates the EMA from it and rounds the parameters with the
+# same kernels, so the same trajectory and the same exported EMA UNet, byte for byte.
+ge = train("np2-stage2-delayed-ema-on-device", 2, *delayed, "--checkpoint_every", "15", "--offload_ema_on_device", "true")
+check(all(ge[s] == g[s] for s in g), "offload_ema_on_device: the delayed trajectory bit for bit")
+ema_files = [os.path.join(WORK, name, "unet_ema", "diffusion_pytorch_model.safetensors")
+             for name in ("np2-stage2-delayed", "np2-stage2-delayed-ema-on-device")]
+check(open(ema_files[0], "rb").read() == open(ema_files[1], "rb").read(),
+      "offload_ema_on_device: the exported EMA UNet equals the host EMA's byte for byte")
+code, output = run_expecting_failure("ema-on-device-no-offload", 1, "--stage", "2", "--offload_ema_on_device", "true")
+check(code != 0 and "offload_ema_on_device needs offload_optimizer = true" in output,
+      "offload_ema_on_device without offload is refused, naming it")
 train("delayed-resumed", 2, *delayed, "--stop_after", "15")
 h = resume("delayed-resumed", 2, *delayed, "--resume", "latest")
 check(all(h[s] == g[s] for s in range(16, STEPS + 1)),

@@ -130,6 +130,17 @@ struct OffloadOptions {
   int update_threads = 0;
   /// The host gradient worker's team; 0: as update_threads.
   int gradient_worker_threads = 0;
+  /// With `optimizer` and an EMA, not with `params`: the EMA stays in device
+  /// memory. The CPU update then writes neither the EMA nor a model-dtype
+  /// copy: each bucket's fp32 master slice goes up (4 bytes a parameter
+  /// instead of the copy's 2) into one bucket-sized staging block, and the
+  /// device updates the EMA from it and rounds it into the parameters with
+  /// the kernels of the on-device update (the same bits). The CPU's memory
+  /// traffic with AdamW falls from 36 to 26 bytes a parameter, which is what
+  /// bounds the offloaded step; the device holds the EMA (4 bytes a
+  /// parameter of the rank's shard) and the staging block; the host no
+  /// model-dtype copies.
+  bool ema_on_device = false;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

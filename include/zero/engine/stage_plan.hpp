@@ -64,6 +64,11 @@ struct StagePlan {
   bool optimizer_full = true;
   /// offload.optimizer: master, optimizer state and EMA in pinned host memory.
   bool optimizer_on_host = false;
+  /// The EMA in pinned host memory: offload.optimizer without offload.ema_on_device.
+  bool ema_on_host = false;
+  /// offload.ema_on_device: the CPU update sends the fp32 master up; the
+  /// device updates the EMA from it and rounds it into the parameters.
+  bool uploads_master = false;
   /// An fp32 master copy exists (model dtype below fp32, or offloaded).
   bool has_master = false;
   int state_slots = 0;

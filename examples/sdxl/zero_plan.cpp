@@ -106,6 +106,7 @@ struct Options {
   std::int64_t latent_size = 128;
   double bucket_mib = 32, margin = 0.05;
   bool ema = false, offload = false, offload_params = false, delayed_update = false, accumulate_on_host = false,
+       ema_on_device = false,
        checkpointing = false, json_output = false, fp32_accumulate = false, lower_bound = false;
 };
 
@@ -143,6 +144,9 @@ void define_options(CLI::App& app, Options& o) {
   app.add_flag("--accumulate-on-host", o.accumulate_on_host,
                "with --offload-optimizer and --accumulation: the CPU adds the micro-steps' gradients (no gradient "
                "shard on the GPU; one more on the host)");
+  app.add_flag("--ema-on-device", o.ema_on_device,
+               "with --offload-optimizer and --ema, without --offload-params: the EMA stays on the GPU; the fp32 "
+               "master goes up and the GPU rounds it (the trainer's offload_ema_on_device)");
   app.add_option("--batch", o.batch, "samples per GPU and micro-step")
       ->capture_default_str()->check(CLI::Range(1, kMaxBatch));
   app.add_option("--accumulation", o.accumulation, "micro-steps per step")
@@ -227,6 +231,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.engine.offload.params = o.offload_params;
   in.engine.offload.delayed_update = o.delayed_update;
   in.engine.offload.accumulate_on_host = o.accumulate_on_host;
+  in.engine.offload.ema_on_device = o.ema_on_device;
   in.engine.accumulation_steps = o.accumulation;
   in.engine.accumulation = o.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
                                                              : zero::GradAccumulation::reduce_each_micro_step;

@@ -30,10 +30,7 @@ std::map<detail::Category, std::vector<std::size_t>> block_sizes_of(const FlatLa
   for (const Bucket& b : layout.buckets()) largest_shard = std::max(largest_shard, b.shard_size);
   const std::size_t largest = largest_bucket_of(layout);
   const std::size_t g = size_of(o.effective_grad_dtype());
-  std::vector<std::size_t> buffers = {largest * g, largest_shard * g};
-  // offload.ema_on_device: the fp32 master slices sent up, one bucket at a time.
-  if (o.offload.optimizer && o.offload.ema_on_device) buffers.push_back(largest_shard * 4);
-  return {{detail::kParams, {largest * size_of(o.param_dtype)}}, {detail::kBuffers, buffers}};
+  return {{detail::kParams, {largest * size_of(o.param_dtype)}}, {detail::kBuffers, {largest * g, largest_shard * g}}};
 }
 std::size_t cache_limit_of(const FlatLayout& layout, const EngineOptions& o) {
   const std::size_t widest = std::max(size_of(o.param_dtype), size_of(o.effective_grad_dtype()));

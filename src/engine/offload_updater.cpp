@@ -22,6 +22,12 @@ OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
   if (!m_.plan.params_on_host && !m_.plan.uploads_master) copy_host_ = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
   master_sent_.assign(m_.layout.buckets().size(), nullptr);
   if (m_.plan.accumulates_on_host) grad_staging_ = m_.pool.allocate_host(kBuffers, shard * m_.g_size);
+  // The master goes up in pieces of a bucket buffer's size (the largest
+  // bucket's gradient bytes), a block the pool already holds from backward:
+  // a block of a new size would be allocated and freed again every step.
+  std::size_t largest = 0;
+  for (const Bucket& bucket : m_.layout.buckets()) largest = std::max(largest, bucket.padded);
+  master_piece_ = std::max<std::size_t>(1, largest * m_.g_size / 4);
 }
 
 OffloadUpdater::~OffloadUpdater() {
@@ -127,17 +133,25 @@ void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use)
   const Stream transfer = be.comm_stream();
   const Bucket& bucket = m_.layout.buckets()[b];
   const std::size_t n = bucket.shard_size;
-  // One bucket's fp32 slice at a time through a pool block: the copy, the
-  // EMA and the rounding are queued in that order on one stream, so the
-  // block is free for the next bucket once they are done.
-  auto* staging = reinterpret_cast<float*>(m_.pool.acquire(kBuffers, n * 4, transfer));
-  m_.copy_to_device(staging, m_.optimizer_slice(m_.master, b), n * 4, transfer);
+  // The slice in pieces through one pool block: each piece's copy, EMA and
+  // rounding are queued in that order on one stream, so the block is free
+  // for the next piece once they are done (element-wise: the same bits in
+  // any cut).
+  const std::size_t piece = std::min(n, master_piece_);
+  auto* staging = reinterpret_cast<float*>(m_.pool.acquire(kBuffers, piece * 4, transfer));
+  const float* master = m_.optimizer_slice(m_.master, b);
+  float* ema = m_.ema ? m_.optimizer_slice(m_.ema, b) : nullptr;
+  std::byte* params = m_.own_params(b);
+  for (std::size_t lo = 0; lo < n; lo += piece) {
+    const std::size_t count = std::min(piece, n - lo);
+    m_.copy_to_device(staging, master + lo, count * 4, transfer);
+    if (ema_decay > 0) be.ema_update(ema + lo, staging, count, ema_decay, transfer);
+    if (use != MasterUse::ema_only) be.convert(staging, DType::fp32, params + lo * m_.p_size, m_.pdt, count, transfer);
+  }
   be.release_event(std::exchange(master_sent_[b], be.record_event(transfer)));
-  if (ema_decay > 0) be.ema_update(m_.optimizer_slice(m_.ema, b), staging, n, ema_decay, transfer);
-  if (use != MasterUse::ema_only) be.convert(staging, DType::fp32, m_.own_params(b), m_.pdt, n, transfer);
   if (use == MasterUse::params_and_gather && m_.plan.gathers_params_after_step)
-    m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, m_.own_params(b), false);
-  m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(staging), n * 4, transfer);
+    m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, params, false);
+  m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(staging), piece * 4, transfer);
 }
 
 void OffloadUpdater::release_master_sent() {

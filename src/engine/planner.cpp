@@ -459,7 +459,7 @@ std::string Plan::table() const {
   line(out, "grads", model_state.grads);
   line(out, "master (fp32)", model_state.master, in.engine.offload.optimizer ? "(offloaded)" : "");
   line(out, "optimizer state", model_state.optimizer_state, in.engine.offload.optimizer ? "(offloaded)" : "");
-  line(out, "ema", model_state.ema, in.engine.offload.optimizer && in.engine.ema.enabled() ? "(offloaded)" : "");
+  line(out, "ema", model_state.ema, in.engine.offload.optimizer && in.engine.ema.enabled() && !in.engine.offload.ema_on_device ? "(offloaded)" : "");
   line(out, "engine: bucket buffers", engine.bucket_buffers);
   line(out, "engine: gathered units", engine.gathered_units);
   line(out, "engine: cached free blocks", engine.cached_blocks);

@@ -75,6 +75,7 @@ class OffloadUpdater : public Updater {
   std::byte* copy_host_ = nullptr;  // the updated model-dtype shard, to copy up (none with offloaded parameters)
   std::byte* grad_staging_ = nullptr;  // plan.accumulates_on_host: later micro-steps' slices, added into grad_host_
   std::vector<Event> master_sent_;     // plan.uploads_master, per bucket: the last copy of its master slice up
+  std::size_t master_piece_ = 1;       // plan.uploads_master: elements sent up through the staging block at once
   std::thread ema_thread_;
   std::exception_ptr ema_error_;
 };

@@ -104,6 +104,15 @@ TEST_CASE("offloaded optimizer and parameters on the GPU") {
       CHECK(bitwise_equal(off.back().master, off.front().master));
       CHECK(bitwise_equal(off.back().model, off.front().model));
       CHECK(bitwise_equal(off.back().ema, off.front().ema));
+      // The EMA kept on the GPU (offload.ema_on_device): the master goes up
+      // and the GPU rounds it (the same bits as the CPU's rounding) and
+      // updates the EMA with its own kernel, which contracts to FMA.
+      Config ema_on_device = offloaded;
+      ema_on_device.ema_on_device = true;
+      const Trained kept = train_sharded(ema_on_device, stage, *device_comm, *device_backend);
+      CHECK(bitwise_equal(kept.master, off.back().master));
+      CHECK(bitwise_equal(kept.model, off.back().model));
+      CHECK(max_relative_error(kept.ema, off.back().ema) <= 1e-6);
       if (own_gpu) {
         CHECK(off.back().norms == off.front().norms);
       } else {

@@ -97,6 +97,8 @@ const std::vector<FitSetting>& fit_settings() {
        [](TrainConfig& t, const TrainConfig& f) { t.offload_delayed_update = f.offload_delayed_update; }},
       {"offload_accumulate_on_host", [](const TrainConfig& c) { return yes_no(c.offload_accumulate_on_host); },
        [](TrainConfig& t, const TrainConfig& f) { t.offload_accumulate_on_host = f.offload_accumulate_on_host; }},
+      {"offload_ema_on_device", [](const TrainConfig& c) { return yes_no(c.offload_ema_on_device); },
+       [](TrainConfig& t, const TrainConfig& f) { t.offload_ema_on_device = f.offload_ema_on_device; }},
       {"activation_checkpointing", [](const TrainConfig& c) { return yes_no(c.activation_checkpointing); },
        [](TrainConfig& t, const TrainConfig& f) { t.activation_checkpointing = f.activation_checkpointing; }},
       {"checkpoint_units", [](const TrainConfig& c) { return c.checkpoint_units; },
@@ -121,6 +123,7 @@ TrainConfig with_plan_settings(const TrainConfig& c, const zero::plan::Plan& p) 
   t.offload_params = p.input.engine.offload.params;
   t.offload_delayed_update = p.input.engine.offload.delayed_update;
   t.offload_accumulate_on_host = p.input.engine.offload.accumulate_on_host;
+  t.offload_ema_on_device = p.input.engine.offload.ema_on_device;
   t.activation_checkpointing = p.input.activation_checkpointing;
   t.checkpoint_units = p.input.checkpoint_units == 0 ? "all" : std::to_string(p.input.checkpoint_units);
   t.prefetch_units = p.input.engine.buckets.prefetch_units;
@@ -189,6 +192,8 @@ FitDecision keep_checkpoint_settings(TrainConfig& c, const zero::plan::PlanInput
   in.engine.offload.optimizer = kept.offload_optimizer;
   in.engine.offload.params = kept.offload_params;
   in.engine.offload.delayed_update = kept.offload_delayed_update;
+  in.engine.offload.accumulate_on_host = kept.offload_accumulate_on_host;
+  in.engine.offload.ema_on_device = kept.offload_ema_on_device;
   in.activation_checkpointing = kept.activation_checkpointing;
   in.checkpoint_units = static_cast<std::size_t>(kept.checkpoint_unit_count());
   in.engine.buckets.prefetch_units = static_cast<int>(kept.prefetch_units);

@@ -330,6 +330,7 @@ std::string Plan::trainer_options() const {
          flag(input.engine.offload.optimizer) + ", offload_params = " + flag(input.engine.offload.params) +
          ", offload_delayed_update = " + flag(input.engine.offload.delayed_update) +
          (input.engine.offload.accumulate_on_host ? ", offload_accumulate_on_host = true" : "") +
+         (input.engine.offload.ema_on_device ? ", offload_ema_on_device = true" : "") +
          ", activation_checkpointing = " + flag(input.activation_checkpointing) +
          (input.activation_checkpointing && input.checkpoint_units > 0
               ? ", checkpoint_units = " + std::to_string(input.checkpoint_units)
@@ -344,6 +345,7 @@ std::string Plan::label() const {
   if (input.engine.offload.optimizer) text += input.engine.offload.params ? ", offload (optimizer + params)" : ", offload";
   if (input.engine.offload.delayed_update) text += ", delayed update";
   if (input.engine.offload.accumulate_on_host && input.engine.accumulation_steps > 1) text += ", host accumulation";
+  if (input.engine.offload.ema_on_device) text += ", EMA on the GPU";
   if (!input.activation_checkpointing) text += ", no checkpointing";
   else if (input.checkpoint_units == 0) text += ", checkpointing";
   else text += ", checkpointing " + std::to_string(input.checkpoint_units) + " of " +
@@ -413,6 +415,7 @@ nlohmann::json plan_json(const Plan& p) {
                  {"offload_params", in.engine.offload.params},
                  {"offload_delayed_update", in.engine.offload.delayed_update},
                  {"offload_accumulate_on_host", in.engine.offload.accumulate_on_host},
+                 {"offload_ema_on_device", in.engine.offload.ema_on_device},
                  {"accumulation_steps", in.engine.accumulation_steps},
                  {"accumulation", in.engine.accumulation == GradAccumulation::reduce_at_boundary ? "boundary" : "each"},
                  {"max_reductions_in_flight", in.engine.buckets.max_reductions_in_flight},

@@ -105,8 +105,9 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
   const std::size_t limit = usable(gpu_bytes, options);
   // The delayed update needs offload_optimizer (any accumulation, with or
   // without offload_params); host accumulation needs offload_optimizer and
-  // several micro-steps, each reduced. With a global batch both are
-  // searched; without one the base's choice is kept where it is allowed.
+  // several micro-steps, each reduced; the EMA on the GPU needs
+  // offload_optimizer without offload_params. With a global batch all three
+  // are searched; without one the base's choice is kept where it is allowed.
   const bool searched = options.global_batch > 0;
   for (const auto& [micro, accumulation] : batches_of(base, options))
     for (int stage = 0; stage <= 3; ++stage)
@@ -114,27 +115,34 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
         if ((offload.optimizer && stage == 0) || (offload.params && stage != 3)) continue;
         const bool host_allowed = offload.optimizer && accumulation > 1 &&
                                   base.engine.accumulation == GradAccumulation::reduce_each_micro_step;
+        // The EMA kept on the GPU: with the optimizer offloaded, an EMA, and
+        // the parameters on the GPU.
+        const bool ema_device_allowed = offload.optimizer && !offload.params && base.engine.ema.enabled();
         for (bool checkpointing : {false, true})
           for (bool delayed : {false, true})
-            for (bool on_host : {false, true}) {
-              if (delayed != ((searched ? delayed : base.engine.offload.delayed_update) && offload.optimizer)) continue;
-              if (on_host != ((searched ? on_host : base.engine.offload.accumulate_on_host) && host_allowed)) continue;
-              PlanInput in = base;
-              in.batch = micro;
-              in.engine.accumulation_steps = accumulation;
-              in.engine.stage = stage;
-              in.engine.offload.optimizer = offload.optimizer;
-              in.engine.offload.params = offload.params;
-              in.engine.offload.delayed_update = delayed;
-              in.engine.offload.accumulate_on_host = on_host;
-              in.activation_checkpointing = checkpointing;
-              in.checkpoint_units = 0;  // every unit; the fewest that fit are searched below
-              FitResult::Candidate all = candidate(std::move(in), options, limit);
-              if (checkpointing) {
-                if (auto partial = fewest_recomputed(all, options, limit)) out.push_back(std::move(*partial));
+            for (bool on_host : {false, true})
+              for (bool ema_device : {false, true}) {
+                if (delayed != ((searched ? delayed : base.engine.offload.delayed_update) && offload.optimizer)) continue;
+                if (on_host != ((searched ? on_host : base.engine.offload.accumulate_on_host) && host_allowed)) continue;
+                if (ema_device != ((searched ? ema_device : base.engine.offload.ema_on_device) && ema_device_allowed))
+                  continue;
+                PlanInput in = base;
+                in.batch = micro;
+                in.engine.accumulation_steps = accumulation;
+                in.engine.stage = stage;
+                in.engine.offload.optimizer = offload.optimizer;
+                in.engine.offload.params = offload.params;
+                in.engine.offload.delayed_update = delayed;
+                in.engine.offload.accumulate_on_host = on_host;
+                in.engine.offload.ema_on_device = ema_device;
+                in.activation_checkpointing = checkpointing;
+                in.checkpoint_units = 0;  // every unit; the fewest that fit are searched below
+                FitResult::Candidate all = candidate(std::move(in), options, limit);
+                if (checkpointing) {
+                  if (auto partial = fewest_recomputed(all, options, limit)) out.push_back(std::move(*partial));
+                }
+                out.push_back(std::move(all));
               }
-              out.push_back(std::move(all));
-            }
       }
   // Most images per second first (at one batch: least time per sample).
   // Equal speed (the CPU update bounds the step, whatever the device does):

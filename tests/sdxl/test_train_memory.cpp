@@ -118,7 +118,8 @@ std::string options_of(const sdxl::TrainConfig& c) {
   return "stage = " + std::to_string(c.stage) + ", offload_optimizer = " + (c.offload_optimizer ? "true" : "false") +
          ", offload_params = " + (c.offload_params ? "true" : "false") + ", offload_delayed_update = " +
          (c.offload_delayed_update ? "true" : "false") +
-         (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") + ", activation_checkpointing = " +
+         (c.offload_accumulate_on_host ? ", offload_accumulate_on_host = true" : "") +
+         (c.offload_ema_on_device ? ", offload_ema_on_device = true" : "") + ", activation_checkpointing = " +
          (c.activation_checkpointing ? "true" : "false") +
          (c.checkpoint_units != "all" ? ", checkpoint_units = " + c.checkpoint_units : "") +
          ", batch_size = " + std::to_string(c.batch_size) +

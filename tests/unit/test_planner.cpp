@@ -140,6 +140,56 @@ TEST_CASE("plan: the delayed update doubles the host staging, leaves the GPU as 
                        InvalidArgument);
 }
 
+TEST_CASE("plan: the EMA kept on the GPU while offloaded: its bytes there, no copy on the host, a faster update") {
+  plan::PlanInput in = sdxl_input();
+  in.engine.stage = 2;
+  in.batch = 8;
+  in.activation_checkpointing = true;
+  in.engine.ema.decay = 0.9999;
+  in.engine.offload.optimizer = true;
+  in.engine.offload.delayed_update = true;
+  const plan::Plan on_host = plan::make_plan(in);
+  in.engine.offload.ema_on_device = true;
+  const plan::Plan on_device = plan::make_plan(in);
+  const std::size_t shard = on_host.padded_numel;  // one rank
+  CHECK(on_host.model_state.ema == 0);
+  CHECK(on_device.model_state.ema == shard * 4);
+  CHECK(on_device.host_state.ema == 0);
+  CHECK(on_host.host_state.ema == shard * 4);
+  // Two bf16 gradient shards (the delayed update), no model-dtype copies.
+  CHECK(on_device.host_state.buffers == 2 * shard * 2);
+  CHECK(on_host.host_state.buffers == 2 * shard * (2 + 2));
+  CHECK(on_device.gpu_peak() == on_host.gpu_peak() + shard * 4);
+  CHECK(on_device.relative_time() < on_host.relative_time());
+  CHECK(on_device.label().find("EMA on the GPU") != std::string::npos);
+  CHECK(on_device.trainer_options().find("offload_ema_on_device = true") != std::string::npos);
+  CHECK(nlohmann::json::parse(on_device.to_json())["config"]["offload_ema_on_device"].get<bool>());
+  // The table's EMA line (per GPU, then per host) does not call it offloaded.
+  const std::string table = on_device.table();
+  const std::size_t ema_line = table.find("  ema ");
+  REQUIRE(ema_line != std::string::npos);
+  CHECK(table.substr(ema_line, table.find('\n', ema_line) - ema_line).find("(offloaded)") == std::string::npos);
+  // A fit with a global batch searches it wherever the engine allows it
+  // (make_plan would throw otherwise): offloaded optimizer, parameters on the GPU.
+  in.world_size = 8;
+  plan::FitOptions options;
+  options.global_batch = 64;
+  const plan::FitResult r = plan::fit(in, 24 * kGiB, options);
+  bool searched = false;
+  for (const auto& c : r.candidates) {
+    const auto& o = c.plan.input.engine.offload;
+    if (!o.ema_on_device) continue;
+    searched = true;
+    CHECK(o.optimizer);
+    CHECK_FALSE(o.params);
+  }
+  CHECK(searched);
+  in.engine.offload.params = true;
+  in.engine.stage = 3;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_ema_on_device needs offload_optimizer"),
+                       InvalidArgument);
+}
+
 TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffers on the GPU") {
   plan::PlanInput in = sdxl_input();
   in.engine.stage = 3;

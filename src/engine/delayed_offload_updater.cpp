@@ -44,8 +44,7 @@ DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpda
 
 DelayedOffloadUpdater::~DelayedOffloadUpdater() {
   if (thread_.joinable()) thread_.join();  // its error, if any, has no one left to go to
-  release_downloads();
-  release_master_sent();
+  release_downloads();  // (master_sent_: ~OffloadUpdater, after the copies it waits for)
   for (Event& e : copy_uploaded_)
     if (e) {
       m_.backend.wait_event(e);

@@ -93,6 +93,7 @@ struct TrainConfig {
   std::int64_t delayed_update_warmup = 0;  // synchronous updates before the delay starts
   bool offload_accumulate_on_host = false;  // offload + accumulation: the CPU adds the micro-steps' gradients
   bool offload_ema_on_device = false;  // offload: the EMA stays on the GPU; the master goes up, the GPU rounds it
+  bool offload_upload_during_backward = true;  // delayed update, stages 1-2: parameters go up during backward
   std::int64_t offload_update_threads = 0;    // the CPU update's threads beside the GPU (0: cores - 1)
   std::int64_t offload_gradient_threads = 0;  // the host gradient worker's threads (0: as the update's)
   // [output]

@@ -88,6 +88,10 @@ std::vector<Option> options_of(TrainConfig& c) {
        "with offload_optimizer and an EMA, without offload_params: keep the EMA in GPU memory (4 bytes a "
        "parameter of the rank's shard); the CPU update sends its fp32 master up and the GPU updates the EMA and "
        "rounds the parameters, so the CPU moves 26 instead of 36 bytes a parameter (AdamW), the same bits"},
+      {"zero", "offload_upload_during_backward", &c.offload_upload_during_backward,
+       "with offload_delayed_update at stages 1-2: each bucket's updated parameters go up during the next "
+       "backward, once backward is done with them and the CPU with the bucket, instead of all at the step (the "
+       "same values; the next forward no longer waits behind the uploads)"},
       {"zero", "offload_update_threads", &c.offload_update_threads,
        "with offload_optimizer: OpenMP threads of the CPU update that runs beside the GPU (the delayed update, the "
        "EMA); 0: OpenMP's default (OMP_NUM_THREADS, else the cores) less one, left to the thread that launches the "

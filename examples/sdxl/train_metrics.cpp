@@ -52,7 +52,10 @@ void record_step(const TrainConfig& cfg, MetricsSinks& sinks, const RunPosition&
   if (cfg.offload_optimizer) {
     record.extra["timing/cpu_grad_stats_s"] = m.result.cpu_grad_stats_seconds;
     record.extra["timing/cpu_update_s"] = m.result.cpu_update_seconds;
-    if (cfg.offload_delayed_update) record.extra["timing/cpu_update_wait_s"] = m.result.cpu_update_wait_seconds;
+    if (cfg.offload_delayed_update) {
+      record.extra["timing/cpu_update_wait_s"] = m.result.cpu_update_wait_seconds;
+      record.extra["transfer/buckets_up_during_backward"] = static_cast<double>(m.result.buckets_up_during_backward);
+    }
     if (cfg.offload_accumulate_on_host) record.extra["timing/host_add_wait_s"] = m.result.host_add_wait_seconds;
     // This rank's traffic between host and GPU memory in the step (PCIe),
     // and its rate over the step's wall time: against the link's ~55 GB/s

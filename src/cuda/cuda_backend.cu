@@ -34,13 +34,15 @@ class CudaBackend final : public Backend {
     // Non-blocking: the comm stream must not serialize with the legacy default
     // stream, or collectives could never overlap compute issued there.
     ZERO_CHECK_CUDA(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+    ZERO_CHECK_CUDA(cudaStreamCreateWithFlags(&transfer_, cudaStreamNonBlocking));
   }
 
   ~CudaBackend() override {
-    if (comm_ != nullptr) {
-      (void)cudaSetDevice(device_);
-      (void)cudaStreamSynchronize(comm_);
-      (void)cudaStreamDestroy(comm_);
+    (void)cudaSetDevice(device_);
+    for (cudaStream_t stream : {transfer_, comm_}) {
+      if (stream == nullptr) continue;
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaStreamDestroy(stream);
     }
   }
 
@@ -99,6 +101,7 @@ class CudaBackend final : public Backend {
 
   Stream compute_stream() const override { return compute_; }
   Stream comm_stream() const override { return comm_; }
+  Stream transfer_stream() const override { return transfer_; }
 
   Event record_event(Stream stream) override {
     DeviceGuard guard(device_);
@@ -197,11 +200,13 @@ class CudaBackend final : public Backend {
   void settle_streams() {
     ZERO_CHECK_CUDA(cudaStreamSynchronize(compute_));
     ZERO_CHECK_CUDA(cudaStreamSynchronize(comm_));
+    ZERO_CHECK_CUDA(cudaStreamSynchronize(transfer_));
   }
 
   int device_;
   cudaStream_t compute_;
   cudaStream_t comm_ = nullptr;
+  cudaStream_t transfer_ = nullptr;  // host-device copies beside the collectives (Backend::transfer_stream)
   gpu::GradStatsReducer stats_;
 };
 

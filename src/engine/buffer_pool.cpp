@@ -144,6 +144,7 @@ void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_u
 }
 
 void BufferPool::wait_for_streams() {
+  if (backend_.transfer_stream() != backend_.comm_stream()) backend_.synchronize(backend_.transfer_stream());
   backend_.synchronize(backend_.comm_stream());
   backend_.synchronize(backend_.compute_stream());
   ++calls_.waits;

@@ -124,7 +124,7 @@ class BufferPool {
   std::size_t transient_units_ = 0, transient_buffers_ = 0;
   TransientUse transient_peak_;
   Calls calls_;
-  void wait_for_streams();  // before a free: both streams, counted
+  void wait_for_streams();  // before a free: every stream of the backend, counted
   void deallocate_block(void* p, std::size_t bytes);  // a transient block, counted
 };
 

@@ -39,12 +39,34 @@ DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpda
     copies_[0] = copy_host_;
     copies_[1] = m_.pool.allocate_host(kBuffers, shard * m_.p_size);
   }
-  grad_downloaded_.assign(m_.layout.buckets().size(), nullptr);
+  const std::size_t buckets = m_.layout.buckets().size();
+  grad_downloaded_.assign(buckets, nullptr);
+  // Stages 1-2 gather each bucket at step(): a slice sent up earlier only
+  // changes when it arrives. (Offloaded parameters never go up; stage 3's
+  // units are gathered from the shard as the forward needs them.)
+  sends_during_backward_ =
+      m_.options.offload.upload_during_backward && m_.plan.gathers_params_after_step && !m_.plan.params_on_host;
+  released_.assign(buckets, 0);
+  params_up_.assign(buckets, 0);
+  up_event_.assign(buckets, nullptr);
+  ema_up_.assign(buckets, 0);
 }
 
 DelayedOffloadUpdater::~DelayedOffloadUpdater() {
   if (thread_.joinable()) thread_.join();  // its error, if any, has no one left to go to
   release_downloads();  // (master_sent_: ~OffloadUpdater, after the copies it waits for)
+  for (Event& e : sent_before_update_) m_.backend.release_event(std::exchange(e, nullptr));
+  for (Event& e : up_event_) m_.backend.release_event(std::exchange(e, nullptr));
+  if (backward_staging_) {
+    try {
+      m_.backend.synchronize(m_.backend.transfer_stream());
+      m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(backward_staging_), master_piece_ * 4,
+                        m_.backend.transfer_stream());
+    } catch (...) {
+      // A failed device: the pool's own destruction frees what it can.
+    }
+  }
+
   for (Event& e : copy_uploaded_)
     if (e) {
       m_.backend.wait_event(e);
@@ -63,6 +85,7 @@ void DelayedOffloadUpdater::finish_previous(StepResult& result) {
   const bool was_running = thread_.joinable();
   result.cpu_update_wait_seconds = join();
   if (was_running) result.cpu_update_seconds = update_seconds_;
+  result.buckets_up_during_backward = std::exchange(up_during_backward_, 0);
   upload();
 }
 
@@ -84,11 +107,64 @@ void DelayedOffloadUpdater::settle() {
 void DelayedOffloadUpdater::settle_for_reading() {
   join_ema();
   join();
-  if (pending_ema_decay_ == 0) return;
   // The EMA on the device is read exact: the finished update's master goes
-  // up for it now, and again with the parameters at the next step().
-  for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) send_master(b, pending_ema_decay_, MasterUse::ema_only);
-  pending_ema_decay_ = 0;
+  // up for it now, and again with the parameters at the next step() (or
+  // during the next backward).
+  for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
+    if (!ema_owed(b)) continue;
+    send_master(b, pending_ema_decay_, MasterUse::ema_only);
+    ema_up_[b] = 1;
+  }
+}
+
+void DelayedOffloadUpdater::on_bucket_released(std::size_t b) {
+  if (!sends_during_backward_ || !upload_pending_ || m_.capturing) return;
+  // The staging block is taken at the first release of the first backward
+  // with an update pending (a rule of the step sequence, not of timing: the
+  // planner's replay takes it too) and kept from then on. Given back at the
+  // end of each backward, it was one more block in backward's working set
+  // than the pool keeps between steps: 5 more blocks made and freed a step
+  // (a cudaFree waits for the device) on an H100, +0.1 s a step.
+  if (m_.plan.uploads_master && !backward_staging_)
+    backward_staging_ = reinterpret_cast<float*>(
+        m_.pool.acquire(kBuffers, master_piece_ * 4, m_.backend.transfer_stream()));
+  released_[b] = 1;
+  send_released();
+}
+
+void DelayedOffloadUpdater::on_backward_done() {
+  if (!sends_during_backward_ || !upload_pending_ || m_.capturing) return;
+  send_released();  // what the CPU finished since the last release
+}
+
+void DelayedOffloadUpdater::send_released() {
+  Backend& be = m_.backend;
+  const Stream transfer = be.transfer_stream();
+  const auto& buckets = m_.layout.buckets();
+  // The update finishes buckets in order; what it has written is visible
+  // here after this load (release on its side).
+  const std::size_t done = std::min(buckets_updated_.load(std::memory_order_acquire), buckets.size());
+  bool ordered = false;
+  for (std::size_t b = 0; b < done; ++b) {
+    if (!released_[b] || params_up_[b]) continue;
+    // After every kernel backward has queued so far: those that read the
+    // released buckets' parameters included.
+    if (!ordered) m_.order_after(transfer, be.compute_stream());
+    ordered = true;
+    if (m_.plan.uploads_master) {
+      send_master(b, ema_owed(b) ? pending_ema_decay_ : 0, MasterUse::params, transfer, backward_staging_);
+      ema_up_[b] = 1;
+    } else {
+      const Bucket& bucket = buckets[b];
+      m_.copy_to_device(m_.own_params(b), copies_[update_copy_] + bucket.shard_offset * m_.p_size,
+                        bucket.shard_size * m_.p_size, transfer);
+    }
+    // The bucket's gather at step() waits for this copy alone, not for the
+    // transfer stream's tail (the buckets sent after it).
+    up_event_[b] = be.record_event(transfer);
+    params_up_[b] = 1;
+    ++up_during_backward_;
+  }
 }
 
 void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
@@ -151,12 +227,20 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   upload_pending_ = true;
   pending_ema_decay_ = m_.plan.uploads_master && m_.ema ? args.ema_decay : 0;
   error_ = nullptr;
+  std::fill(released_.begin(), released_.end(), 0);
+  std::fill(params_up_.begin(), params_up_.end(), 0);
+  std::fill(ema_up_.begin(), ema_up_.end(), 0);
+  buckets_updated_.store(0, std::memory_order_relaxed);
+  // The thread waits for the copies queued so far; this update's own sends
+  // collect in master_sent_ from now on.
+  ZERO_ASSERT(sent_before_update_.empty(), "the last update's copy events were not released");
+  sent_before_update_ = std::exchange(master_sent_, std::vector<Event>(m_.layout.buckets().size(), nullptr));
   // The thread keeps its own copy of the arguments (the optimizer options
   // outlive it: they are the engine's) and of the download events (released
   // at the join, on this thread).
   // And of the events of the master's last copies up (uploads_master): a
   // slice is rewritten only once its copy is done.
-  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_, sent = master_sent_] {
+  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_, sent = sent_before_update_] {
     const auto start = std::chrono::steady_clock::now();
     try {
       omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
@@ -165,6 +249,7 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
         if (sent[b]) m_.backend.wait_event(sent[b]);              // its master slice went up
         update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
+        buckets_updated_.store(b + 1, std::memory_order_release);  // may go up during backward
       }
     } catch (...) {
       error_ = std::current_exception();
@@ -179,7 +264,8 @@ double DelayedOffloadUpdater::join() {
   thread_.join();
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   release_downloads();
-  release_master_sent();  // the thread waited for each
+  for (Event& e : sent_before_update_) m_.backend.release_event(e);  // the thread waited for each
+  sent_before_update_.clear();
   if (error_) {
     upload_pending_ = false;
     std::rethrow_exception(std::exchange(error_, nullptr));
@@ -197,18 +283,28 @@ void DelayedOffloadUpdater::upload() {
     upload_pending_ = false;
     return;
   }
+  Backend& be = m_.backend;
+  const auto& buckets = m_.layout.buckets();
   // The device may still be running backward, which reads the parameters.
-  m_.order_after(m_.backend.comm_stream(), m_.backend.compute_stream());
-  if (m_.plan.uploads_master) {
-    for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b)
-      send_master(b, pending_ema_decay_, MasterUse::params_and_gather);
-    pending_ema_decay_ = 0;
-    finish_uploads();
-    upload_pending_ = false;
-    return;
+  m_.order_after(be.comm_stream(), be.compute_stream());
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (params_up_[b]) {
+      // Sent during backward: gathered (and the copy buffer's event, below,
+      // recorded) after it arrived.
+      be.stream_wait(be.comm_stream(), up_event_[b]);
+      be.release_event(std::exchange(up_event_[b], nullptr));
+      if (m_.plan.gathers_params_after_step)
+        m_.param_gathers[b] =
+            m_.gather_bucket(b, m_.params_full + buckets[b].offset * m_.p_size, m_.pdt, m_.own_params(b), false);
+    } else if (m_.plan.uploads_master) {
+      send_master(b, ema_owed(b) ? pending_ema_decay_ : 0, MasterUse::params_and_gather);
+    } else {
+      upload_bucket(b, copies_[update_copy_]);
+    }
   }
-  for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) upload_bucket(b, copies_[update_copy_]);
-  copy_uploaded_[update_copy_] = m_.backend.record_event(m_.backend.comm_stream());
+  if (!m_.plan.uploads_master) copy_uploaded_[update_copy_] = be.record_event(be.comm_stream());
+  pending_ema_decay_ = 0;
+  std::fill(params_up_.begin(), params_up_.end(), 0);
   finish_uploads();
   upload_pending_ = false;
 }

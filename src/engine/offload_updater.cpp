@@ -33,7 +33,9 @@ OffloadUpdater::OffloadUpdater(Engine::Impl& engine) : m_(engine) {
 OffloadUpdater::~OffloadUpdater() {
   if (ema_thread_.joinable()) ema_thread_.join();  // its error, if any, has no one left to go to
   try {
-    m_.backend.synchronize(m_.backend.comm_stream());  // the copies of the master up read host memory
+    // The copies of the master and parameters up read host memory.
+    m_.backend.synchronize(m_.backend.transfer_stream());
+    m_.backend.synchronize(m_.backend.comm_stream());
   } catch (...) {
     // A failed device has stopped its copies; the memory goes either way.
   }
@@ -128,9 +130,9 @@ void OffloadUpdater::upload_bucket(std::size_t b, const std::byte* copy) {
   }
 }
 
-void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use) {
+void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use, Stream stream, float* staging) {
   Backend& be = m_.backend;
-  const Stream transfer = be.comm_stream();
+  const Stream transfer = stream ? stream : be.comm_stream();
   const Bucket& bucket = m_.layout.buckets()[b];
   const std::size_t n = bucket.shard_size;
   // The slice in pieces through one pool block: each piece's copy, EMA and
@@ -138,7 +140,11 @@ void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use)
   // for the next piece once they are done (element-wise: the same bits in
   // any cut).
   const std::size_t piece = std::min(n, master_piece_);
-  auto* staging = reinterpret_cast<float*>(m_.pool.acquire(kBuffers, piece * 4, transfer));
+  const bool own_block = staging == nullptr;
+  if (own_block) staging = reinterpret_cast<float*>(m_.pool.acquire(kBuffers, piece * 4, transfer));
+  // A slice sent twice (for the EMA alone, then for the parameters), maybe
+  // on two streams: the second send's event must cover the first copy too.
+  if (master_sent_[b]) be.stream_wait(transfer, master_sent_[b]);
   const float* master = m_.optimizer_slice(m_.master, b);
   float* ema = m_.ema ? m_.optimizer_slice(m_.ema, b) : nullptr;
   std::byte* params = m_.own_params(b);
@@ -151,7 +157,7 @@ void OffloadUpdater::send_master(std::size_t b, double ema_decay, MasterUse use)
   be.release_event(std::exchange(master_sent_[b], be.record_event(transfer)));
   if (use == MasterUse::params_and_gather && m_.plan.gathers_params_after_step)
     m_.param_gathers[b] = m_.gather_bucket(b, m_.params_full + bucket.offset * m_.p_size, m_.pdt, params, false);
-  m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(staging), piece * 4, transfer);
+  if (own_block) m_.pool.give_back(kBuffers, reinterpret_cast<std::byte*>(staging), piece * 4, transfer);
 }
 
 void OffloadUpdater::release_master_sent() {

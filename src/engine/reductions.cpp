@@ -206,6 +206,7 @@ void Engine::trainable_grad_ready(std::size_t param) {
   const bool last_micro_step = m.micro_step + 1 == options_.accumulation_steps;
   if (m.plan.reduce_only_at_boundary && !last_micro_step) return;
   m.issue_reduce(b);
+  if (last_micro_step) m.updater->on_bucket_released(b);
 }
 
 void Engine::finish_micro_step() {
@@ -231,10 +232,14 @@ void Engine::finish_micro_step() {
     if (!m.plan.full_grads)
       m.bucket_buffer[b] = m.pool.acquire(kBuffers, layout_.buckets()[b].padded * m.g_size, m.backend.compute_stream());
     m.issue_reduce(b);
+    if (last_micro_step) m.updater->on_bucket_released(b);
   }
   m.complete_all();
   m.check_gathers();  // stage 3's gathers of this micro-step, checked before it counts as done
-  if (last_micro_step) m.finish_host_work();  // the step reads the host gradients (and their statistics) next
+  if (last_micro_step) {
+    m.finish_host_work();  // the step reads the host gradients (and their statistics) next
+    m.updater->on_backward_done();
+  }
   // Reducing every micro-step out of a full buffer (stages 0-1): it held only
   // this micro-step's local gradient, now in the accumulator.
   if (m.reduces_full_grads_each_micro_step() && !m.writes_full_grads())

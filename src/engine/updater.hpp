@@ -51,6 +51,13 @@ class Updater {
   /// what reaches the device, and when, stays as if nothing had been read,
   /// so that reading mid-run does not change the next step.
   virtual void settle_for_reading() { settle(); }
+  /// Backward handed over bucket b's gradients in the step's last
+  /// micro-step: it reads the bucket's parameters no more until step().
+  /// Called on the thread that drives the device (the delayed update sends
+  /// its finished slices up here).
+  virtual void on_bucket_released(std::size_t b) { (void)b; }
+  /// The last micro-step's backward is done (after every on_bucket_released).
+  virtual void on_backward_done() {}
   /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
   virtual std::byte* host_gradients() { return nullptr; }
   /// Where the micro-steps after the first land before the CPU adds them

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -66,7 +67,9 @@ class OffloadUpdater : public Updater {
   /// ema_only, rounds it into this rank's parameters (and starts the
   /// bucket's all-gather where stages 1-2 gather after the step). Records
   /// master_sent_[b]: the host must not rewrite the slice before it.
-  void send_master(std::size_t b, double ema_decay, MasterUse use);
+  /// On `stream` (the comm stream unless given), through `staging` (a block
+  /// of master_piece_ floats; null: one from the pool for this call).
+  void send_master(std::size_t b, double ema_decay, MasterUse use, Stream stream = nullptr, float* staging = nullptr);
   /// Releases master_sent_ (the copies are done, or no one waits for them).
   void release_master_sent();
 
@@ -96,6 +99,8 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   /// Joins the background update but leaves its parameters to go up at the
   /// next step(), as they would without the read.
   void settle_for_reading() override;
+  void on_bucket_released(std::size_t b) override;
+  void on_backward_done() override;
 
  private:
   /// Starts the CPU update of this step's gradients on a background thread;
@@ -110,6 +115,11 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   /// Queues the finished update's parameters up (and their gathers), or with
   /// offloaded parameters makes the updated host shard the one gathered.
   void upload();
+  /// offload.upload_during_backward: sends up every bucket that backward has
+  /// released and the update has finished, not yet sent.
+  void send_released();
+  /// Whether the device's EMA still owes the pending update bucket b.
+  bool ema_owed(std::size_t b) const { return pending_ema_decay_ > 0 && !ema_up_[b]; }
 
   std::byte* grad_host_spare_ = nullptr;  // one micro-step: the shard backward streams into next
   std::array<std::byte*, 2> copies_{};    // staging copies (parameters on the device)
@@ -122,6 +132,19 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   double update_seconds_ = 0;
   bool upload_pending_ = false;  // an update finished (or running) whose values are not up yet
   double pending_ema_decay_ = 0;  // plan.uploads_master: the decay the device's EMA still owes that update
+  // offload.upload_during_backward (stages 1-2, parameters on the device).
+  bool sends_during_backward_ = false;
+  std::atomic<std::size_t> buckets_updated_{0};  // the running update has finished buckets [0, this)
+  // Per bucket, for the pending update: backward released it (this step's
+  // last micro-step); its parameters went up; its EMA was updated on the device.
+  std::vector<char> released_, params_up_, ema_up_;
+  std::vector<Event> up_event_;        // per bucket sent during backward: its copy (and rounding) done
+  float* backward_staging_ = nullptr;  // uploads_master: taken at the first release, kept until destruction
+  std::uint64_t up_during_backward_ = 0;  // buckets sent up during backward, for the next StepResult
+  // The master_sent_ events of the copies before the running update, which
+  // its thread waits for (released at the join); master_sent_ then collects
+  // this update's own sends.
+  std::vector<Event> sent_before_update_;
 };
 
 }  // namespace zero::detail

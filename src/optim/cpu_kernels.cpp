@@ -269,13 +269,19 @@ void cpu_optimizer_step(const OptimizerOptions& options, const StepScalars& scal
   // biases in a bucket) is then spread over the cores instead of running on
   // one. (Every region keeps the whole team: a team size that changes from
   // call to call made libgomp 8x slower on 16 cores.)
+  //
+  // Chunks are handed out as threads come free, 16 at a time (64 Ki
+  // elements, ~1.7 MB of AdamW traffic): in an offloaded step the team
+  // shares the cores with the thread driving the GPU and the CUDA
+  // runtime's, and with a static split one descheduled thread held the
+  // whole region back.
   constexpr std::size_t kStepChunk = std::size_t{1} << 12;
   const std::size_t chunks = (u.count + kStepChunk - 1) / kStepChunk;
   if (chunks == 1) {
     fn(scalars, u, 0, u.count);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 16)
   for (std::size_t c = 0; c < chunks; ++c)
     fn(scalars, u, c * kStepChunk, std::min(u.count, (c + 1) * kStepChunk));
 }

@@ -138,6 +138,14 @@ TEST_CASE("delayed update on the GPU equals the synchronous update on stale para
   check_delayed_update(*dev.comm, *dev.backend);
 }
 
+// The same slices sent up on the transfer stream during backward, beside
+// the gradients going down, and gathered at step() after they arrive.
+TEST_CASE("delayed update on the GPU: parameters sent up during backward arrive as if sent at step()") {
+  MpiCommunicator host_comm;
+  DeviceRank dev = device_rank(host_comm);
+  check_upload_during_backward(*dev.comm, *dev.backend);
+}
+
 // CUDA graphs at every stage: one micro-step (stage-3 gathers, gradient
 // writes, reductions, finish_micro_step) captured on the compute stream
 // after an eager first step and replayed for the rest, against the same

@@ -142,6 +142,60 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
       }
 }
 
+// offload.upload_during_backward sends a finished update's slices up
+// during the next backward, bucket by bucket as backward releases them,
+// instead of at step(): the same values must arrive, the EMA on the device
+// must take each slice once, and the gathers must start from what arrived.
+// Against the same delayed engine sending everything at step(), bit for bit
+// at every step. Reading the state before every second step joins the
+// running update and leaves its upload pending, so in that backward every
+// bucket is finished and goes up during it (the count is exact); on the
+// other steps as many as the CPU has finished.
+inline void check_upload_during_backward(Communicator& comm, Backend& backend) {
+  const auto each = GradAccumulation::reduce_each_micro_step, boundary = GradAccumulation::reduce_at_boundary;
+  const DelayedCase cases[] = {{1, false, 1, each}, {2, false, 1, each}, {2, false, 3, each}, {1, false, 2, boundary}};
+  for (DType dtype : {DType::fp32, DType::bf16})
+    for (const DelayedCase& c : cases) {
+      CAPTURE(dtype);
+      CAPTURE(c.stage);
+      CAPTURE(c.accumulation);
+      EngineOptions o = delayed_options(c, dtype);
+      o.offload.delayed_update = true;
+      // bf16: the master goes up and the device keeps the EMA; fp32: the
+      // CPU writes the parameters' copy, which goes up.
+      o.offload.ema_on_device = dtype == DType::bf16;
+      o.offload.upload_during_backward = false;
+      Engine at_step(mlp_units(), o, comm, backend);
+      o.offload.upload_during_backward = true;
+      Engine during(mlp_units(), o, comm, backend);
+      init_random_params(at_step);
+      init_random_params(during);
+      const std::size_t buckets = during.layout().buckets().size();
+      for (int k = 1; k <= 6; ++k) {
+        CAPTURE(k);
+        const bool joined = k % 2 == 0;
+        if (joined) CHECK(bitwise_equal(during.gather_ema_params(), at_step.gather_ema_params()));
+        const auto weights = read_model_params(at_step, &backend);
+        CHECK(bitwise_equal(read_model_params(during, &backend), weights));
+        const StepResult want = run_step_from(at_step, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+        const StepResult got = run_step_from(during, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+        CHECK(got.grad_norm == want.grad_norm);
+        CHECK(got.clip_coefficient == want.clip_coefficient);
+        CHECK(want.buckets_up_during_backward == 0);
+        // Step 1's backward had no finished update to send.
+        if (joined) CHECK(got.buckets_up_during_backward == buckets);
+        if (k == 1) CHECK(got.buckets_up_during_backward == 0);
+        CHECK(got.host_to_device_bytes == want.host_to_device_bytes);
+      }
+      CHECK(bitwise_equal(during.gather_master_params(), at_step.gather_master_params()));
+      CHECK(bitwise_equal(during.gather_ema_params(), at_step.gather_ema_params()));
+      CHECK(bitwise_equal(during.gather_optimizer_state(0), at_step.gather_optimizer_state(0)));
+      CHECK(bitwise_equal(during.gather_optimizer_state(1), at_step.gather_optimizer_state(1)));
+      CHECK(bitwise_equal(during.gather_model_params(), at_step.gather_model_params()));
+      CHECK(bitwise_equal(read_model_params(during, &backend), read_model_params(at_step, &backend)));
+    }
+}
+
 // A checkpoint taken mid-run completes the pending update first, so a run
 // resumed from it continues bit for bit like the one that saved it (which
 // goes on from the same completed state): every step's parameters, norms,

@@ -516,6 +516,12 @@ TEST_CASE("the delayed update equals the synchronous one on one-update-stale par
   check_delayed_update(comm, *backend);
 }
 
+TEST_CASE("the delayed update's parameters sent up during the next backward arrive as if sent at step(), bitwise") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  check_upload_during_backward(comm, *backend);
+}
+
 TEST_CASE("the delayed update resumed from a mid-run checkpoint continues bit for bit, with accumulation and offload_params") {
   MpiCommunicator comm;
   auto backend = make_host_backend();

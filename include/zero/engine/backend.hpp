@@ -34,6 +34,11 @@ class Backend {
   /// stream), comm where collectives run. Host: both null.
   virtual Stream compute_stream() const = 0;
   virtual Stream comm_stream() const = 0;
+  /// A third stream for host-device copies that must not queue behind the
+  /// collectives and gradient downloads of the comm stream (the delayed
+  /// offloaded update's parameters, sent up during backward). Defaults to
+  /// the comm stream; the CUDA backend has one of its own.
+  virtual Stream transfer_stream() const { return comm_stream(); }
   /// Records an event on stream; make_wait makes `waiter` wait for it without
   /// blocking the host. Host: no-ops.
   virtual Event record_event(Stream stream) = 0;

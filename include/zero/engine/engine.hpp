@@ -86,6 +86,10 @@ struct StepResult {
   /// joined in this step() go up here. 0 without offload.
   std::uint64_t host_to_device_bytes = 0;
   std::uint64_t device_to_host_bytes = 0;
+  /// offload.upload_during_backward: how many buckets of the delayed update
+  /// joined in this step() went up during this step's backward (the rest
+  /// went up at step()). Depends on how far the CPU had got; 0 otherwise.
+  std::uint64_t buckets_up_during_backward = 0;
   /// The engine's transient blocks (gathered units, gradient buckets,
   /// scratch) from the last step() to this one's end: new blocks made
   /// (cudaMalloc on a GPU), blocks freed (cudaFree, each batch after a host

@@ -141,6 +141,16 @@ struct OffloadOptions {
   /// parameter of the rank's shard) and the staging block; the host no
   /// model-dtype copies.
   bool ema_on_device = false;
+  /// With delayed_update at stages 1-2 (parameters on the device): the
+  /// finished update's slices go up during the next backward, each once
+  /// backward has handed over that bucket's gradients (it reads those
+  /// parameters no more in this step) and the CPU is done with it, on a
+  /// stream of their own (Backend::transfer_stream) beside the gradients
+  /// going down; step() sends the rest and starts the gathers. Without it
+  /// every slice goes up at step(), and the next forward waits behind them.
+  /// The same values either way; costs one bucket-sized staging block on
+  /// the device with ema_on_device.
+  bool upload_during_backward = true;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

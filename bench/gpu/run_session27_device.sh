@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Session 27: the delayed update's parameters sent up during the next backward
+# (offload.upload_during_backward, on the transfer stream) and the CPU
+# update's chunks handed out dynamically (cpu_kernels.cpp), against
+# BASE_TREE's build, on offloaded AdamW + EMA with the EMA on the GPU (stage 2,
+# batch 8, delayed update, checkpointing).
+#   PHASES="build buildbase ab" BASE_TREE=ab_base bash bench/gpu/run_session27_device.sh
+#  build:     TARGETS of the cuda preset (default: train).
+#  buildbase: the trainer from BASE_TREE (a `git archive` of the base commit,
+#             unpacked in an untracked folder of the working tree).
+#  ab:        on-device stage 2 at batch 8 once, then the offloaded run with
+#             this build (new), this build with the uploads at the step
+#             (atstep) and BASE_TREE's (base), alternated (ROUNDS, default 2;
+#             VARIANTS, default "new atstep base"; EXTRA: more trainer options).
+#  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
+#  tests:     TESTS (a ctest regex).
+set -uo pipefail
+NAME=session27 DEFAULT_PHASES="build buildbase ab"
+TARGETS=${TARGETS:-train}
+STEPS=${STEPS:-16}
+source bench/gpu/device_env.sh
+device_script_begin
+lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tee -a "$LOG"
+free -g | head -2 | tee -a "$LOG"
+if has buildbase; then
+  base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
+  ln -sfn ../.deps "$base/.deps"
+  say "build base ($base)"
+  ( cd "$base" && source tools/gpu-common.sh && gpu_check_prerequisites && gpu_build train ) 2>&1 | tail -2 | tee -a "$LOG"
+fi
+if has tests; then run_gpu_tests "${TESTS:-gpu.engine.np1|gpu.engine.np2}"; fi
+offloaded() {  # offloaded NAME BUILD [options...]
+  local name=$1 build=$2
+  shift 2
+  bash -c 'source bench/gpu/trainer_run.sh; BUILD='"$build"' OUT_DIR='"$OUT_DIR"' LOG='"$LOG"' STEPS='"$STEPS"' \
+    CONFIG='"$gb8"' run_trainer "$@"' _ "$name" 300 --stage 2 --offload_optimizer true --offload_delayed_update true \
+    --ema_every 1 --offload_ema_on_device true ${EXTRA:-} "$@"
+}
+if has ab; then
+  gb8=$(batch8_config) || exit 1
+  base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
+  CONFIG=$gb8 run_trainer "sdxl-device-stage2-8x1" 240 --stage 2
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for variant in ${VARIANTS:-new atstep base}; do
+      case $variant in
+        new) offloaded "sdxl-offload-emadevice-new-r$round" "$BUILD" ;;
+        atstep) offloaded "sdxl-offload-emadevice-atstep-r$round" "$BUILD" --offload_upload_during_backward false ;;
+        base) offloaded "sdxl-offload-emadevice-base-r$round" "$base/build/cuda" ;;
+      esac
+    done
+  done
+fi
+if has b1; then
+  for round in $(seq 1 "${B1_ROUNDS:-1}"); do
+    run_trainer "sdxl-stage0-b1-r$round" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
+      --ema_decay 0 --channels_last true --cuda_graph true
+  done
+fi
+summarize_runs "$OUT_DIR" | tee -a "$LOG"
+rm -f "$OUT_DIR"/*.smi
+say "done"

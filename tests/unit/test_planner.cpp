@@ -159,13 +159,15 @@ TEST_CASE("plan: the EMA kept on the GPU while offloaded: its bytes there, no co
   // Two bf16 gradient shards (the delayed update), no model-dtype copies.
   CHECK(on_device.host_state.buffers == 2 * shard * 2);
   CHECK(on_host.host_state.buffers == 2 * shard * (2 + 2));
-  // The EMA, and the staging block the master goes up through during
-  // backward (a bucket buffer: the largest bucket's bf16 gradient), held
-  // beside backward's own buckets; sending everything at step() needs none then.
-  CHECK(on_device.gpu_peak() == on_host.gpu_peak() + shard * 4 + on_device.largest_unit_elements * 2);
+  // The EMA; sending the master up during backward, also the staging block
+  // it goes through (the largest bucket's bf16 gradient bytes), held beside
+  // backward's own buckets (at step() it takes a block backward gave back).
   in.engine.offload.upload_during_backward = false;
-  CHECK(plan::make_plan(in).gpu_peak() == on_host.gpu_peak() + shard * 4);
+  const plan::Plan at_step = plan::make_plan(in);
   in.engine.offload.upload_during_backward = true;
+  CHECK(at_step.gpu_peak() == on_host.gpu_peak() + shard * 4);
+  CHECK(on_device.gpu_peak() > at_step.gpu_peak());
+  CHECK(on_device.gpu_peak() <= at_step.gpu_peak() + on_device.largest_unit_elements * 2);
   CHECK(on_device.relative_time() < on_host.relative_time());
   CHECK(on_device.label().find("EMA on the GPU") != std::string::npos);
   CHECK(on_device.trainer_options().find("offload_ema_on_device = true") != std::string::npos);

@@ -31,6 +31,16 @@ run_gpu_tests() {
   grep -E "Test +#|tests passed|FAIL|max relative|images/s|Error|error" "$OUT_DIR/ctest.log" | head -60 | tee -a "$LOG"
 }
 
+# build_base_tree: the trainer from BASE_TREE (a `git archive` of an A/B's base
+# commit, unpacked in an untracked folder of the working tree), into
+# $BASE_TREE/build/cuda, with the toml++ headers that travel in .deps.
+build_base_tree() {
+  local base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
+  ln -sfn ../.deps "$base/.deps"
+  say "build base ($base)"
+  ( cd "$base" && source tools/gpu-common.sh && gpu_check_prerequisites && gpu_build train ) 2>&1 | tail -2 | tee -a "$LOG"
+}
+
 # device_script_begin: what every run_*_device.sh does after sourcing this
 # file: build (phase build; TARGETS: only these), load the trainer helpers
 # (trainer_run.sh) and record the GPU in the log.

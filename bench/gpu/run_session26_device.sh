@@ -21,12 +21,7 @@ STEPS=${STEPS:-14}
 source bench/gpu/device_env.sh
 device_script_begin
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$LOG"
-if has buildbase; then
-  base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
-  ln -sfn ../.deps "$base/.deps"
-  say "build base ($base)"
-  ( cd "$base" && source tools/gpu-common.sh && gpu_check_prerequisites && gpu_build train ) 2>&1 | tail -2 | tee -a "$LOG"
-fi
+if has buildbase; then build_base_tree; fi
 if has tests; then run_gpu_tests "${TESTS:-gpu.engine.np1|gpu.engine.np2|gpu.sdxl.train_graph}"; fi
 offloaded() {  # offloaded NAME BUILD EMA_EVERY [options...]
   local name=$1 build=$2 every=$3

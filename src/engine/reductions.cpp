@@ -47,6 +47,9 @@ void Engine::Impl::issue_reduce(std::size_t b) {
     }
   }
   pending.push_back(std::move(entry));
+  // The step's last backward reads this bucket's parameters no more: the
+  // delayed update may send its new ones up now.
+  if (micro_step + 1 == options.accumulation_steps) updater->on_bucket_released(b);
   // Bound the memory of reductions in flight (their input buffers and the
   // communicator's scratch): complete the oldest beyond the limit.
   while (pending.size() > static_cast<std::size_t>(options.buckets.max_reductions_in_flight)) {
@@ -206,7 +209,6 @@ void Engine::trainable_grad_ready(std::size_t param) {
   const bool last_micro_step = m.micro_step + 1 == options_.accumulation_steps;
   if (m.plan.reduce_only_at_boundary && !last_micro_step) return;
   m.issue_reduce(b);
-  if (last_micro_step) m.updater->on_bucket_released(b);
 }
 
 void Engine::finish_micro_step() {
@@ -232,7 +234,6 @@ void Engine::finish_micro_step() {
     if (!m.plan.full_grads)
       m.bucket_buffer[b] = m.pool.acquire(kBuffers, layout_.buckets()[b].padded * m.g_size, m.backend.compute_stream());
     m.issue_reduce(b);
-    if (last_micro_step) m.updater->on_bucket_released(b);
   }
   m.complete_all();
   m.check_gathers();  // stage 3's gathers of this micro-step, checked before it counts as done

@@ -64,6 +64,14 @@ inline EngineOptions delayed_options(const DelayedCase& c, DType dtype) {
   return o;
 }
 
+// The state an update leaves, bit for bit: master, EMA and both moments.
+inline void check_same_update_state(Engine& got, Engine& want) {
+  CHECK(bitwise_equal(got.gather_master_params(), want.gather_master_params()));
+  CHECK(bitwise_equal(got.gather_ema_params(), want.gather_ema_params()));
+  CHECK(bitwise_equal(got.gather_optimizer_state(0), want.gather_optimizer_state(0)));
+  CHECK(bitwise_equal(got.gather_optimizer_state(1), want.gather_optimizer_state(1)));
+}
+
 // The delayed update (ZeRO-Offload's DPU) changes one thing: the forward and
 // backward of step k see the parameters before update k-1 (the update runs
 // on the CPU meanwhile). So it must equal, bit for bit, a synchronous
@@ -120,10 +128,7 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
         // Reading the state (exports, validation images) waits for the
         // running update, so it reads the latest weights, but leaves the
         // upload to the next step: the model still holds the update before.
-        CHECK(bitwise_equal(delayed.gather_master_params(), sync.gather_master_params()));
-        CHECK(bitwise_equal(delayed.gather_ema_params(), sync.gather_ema_params()));
-        CHECK(bitwise_equal(delayed.gather_optimizer_state(0), sync.gather_optimizer_state(0)));
-        CHECK(bitwise_equal(delayed.gather_optimizer_state(1), sync.gather_optimizer_state(1)));
+        check_same_update_state(delayed, sync);
         CHECK(bitwise_equal(read_model_params(delayed, &backend), seen[seen.size() - 2]));
         // What settles the engine for writing (here the model's own gather;
         // save_state too) sends the finished update up.
@@ -187,10 +192,7 @@ inline void check_upload_during_backward(Communicator& comm, Backend& backend) {
         if (k == 1) CHECK(got.buckets_up_during_backward == 0);
         CHECK(got.host_to_device_bytes == want.host_to_device_bytes);
       }
-      CHECK(bitwise_equal(during.gather_master_params(), at_step.gather_master_params()));
-      CHECK(bitwise_equal(during.gather_ema_params(), at_step.gather_ema_params()));
-      CHECK(bitwise_equal(during.gather_optimizer_state(0), at_step.gather_optimizer_state(0)));
-      CHECK(bitwise_equal(during.gather_optimizer_state(1), at_step.gather_optimizer_state(1)));
+      check_same_update_state(during, at_step);
       CHECK(bitwise_equal(during.gather_model_params(), at_step.gather_model_params()));
       CHECK(bitwise_equal(read_model_params(during, &backend), read_model_params(at_step, &backend)));
     }
@@ -245,10 +247,7 @@ inline void check_delayed_update_resume(Communicator& comm, Backend& backend) {
       CHECK(got.grad_norm == want.grad_norm);
       CHECK(got.clip_coefficient == want.clip_coefficient);
     }
-    CHECK(bitwise_equal(resumed.gather_master_params(), straight.gather_master_params()));
-    CHECK(bitwise_equal(resumed.gather_ema_params(), straight.gather_ema_params()));
-    CHECK(bitwise_equal(resumed.gather_optimizer_state(0), straight.gather_optimizer_state(0)));
-    CHECK(bitwise_equal(resumed.gather_optimizer_state(1), straight.gather_optimizer_state(1)));
+    check_same_update_state(resumed, straight);
     CHECK(bitwise_equal(read_model_params(resumed, &backend), read_model_params(straight, &backend)));
     std::filesystem::remove(path);
   }

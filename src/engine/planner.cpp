@@ -180,8 +180,14 @@ Plan make_plan(const PlanInput& input) {
   plan.model_state = engine.memory();
   plan.model_state.buffers = 0;
   plan.host_state = engine.host_memory();
-  run_model_steps(engine, 1);
-  comm.reset_traffic();  // the second step is the steady state
+  // The steady step follows the first (which makes the working set) and,
+  // with the delayed update, the synchronous warm-up steps, the step that
+  // starts the first background update and the one whose backward first
+  // sends an update up (taking the staging block it keeps from then on).
+  const int before_steady =
+      1 + (input.engine.offload.delayed_update ? input.engine.offload.delayed_update_warmup_steps + 1 : 0);
+  run_model_steps(engine, before_steady);
+  comm.reset_traffic();
   // The pool's calls as step() reports them: what the trainer logs.
   const StepResult steady = run_model_steps(engine, 1);
   plan.engine.allocations_per_step = steady.block_allocations;

@@ -5,7 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "zero/comm/simulated_communicator.hpp"
 #include "zero/core/layout.hpp"
+#include "zero/engine/counting_backend.hpp"
+#include "zero/engine/model_steps.hpp"
 #include "zero/engine/memory_model.hpp"
 #include "zero/engine/planner.hpp"
 #include "sdxl_calibration.hpp"  // examples/sdxl: the planner's constants for the SDXL UNet
@@ -196,6 +199,39 @@ TEST_CASE("plan: the EMA kept on the GPU while offloaded: its bytes there, no co
   in.engine.stage = 3;
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("offload_ema_on_device needs offload_optimizer"),
                        InvalidArgument);
+}
+
+// The pool's calls a step (the trainer's engine/block_* metrics) are those
+// of the steady state: with the delayed update, after the warm-up steps, the
+// step that starts the first background update and the one whose backward
+// first sends an update up. (Counted at the second step, the plan said 9
+// allocations, 8 frees and 4 waits where the engine settles at 4, 4 and 2.)
+TEST_CASE("plan: the pool's calls a step are the steady state's, after the delayed update's warm-up") {
+  for (int warmup : {0, 2})
+    for (bool delayed : {false, true})
+      for (bool ema_on_device : {false, true}) {
+        CAPTURE(warmup);
+        CAPTURE(delayed);
+        CAPTURE(ema_on_device);
+        plan::PlanInput in = sdxl_input();
+        in.engine.stage = 2;
+        in.engine.offload.optimizer = true;
+        in.engine.offload.delayed_update = delayed;
+        in.engine.offload.delayed_update_warmup_steps = warmup;
+        in.engine.offload.ema_on_device = ema_on_device;
+        const plan::Plan p = plan::make_plan(in);
+        // The same engine (one tensor a unit, as make_plan groups them), run far past the warm-up.
+        std::vector<std::vector<ParamSpec>> groups;
+        for (const plan::PlanUnit& unit : in.units) groups.push_back({{unit.name + ".0", unit.tensors[0], {}}});
+        CountingBackend backend;
+        SimulatedCommunicator comm(in.world_size);
+        Engine engine(groups, in.engine, comm, backend);
+        run_model_steps(engine, warmup + 6);
+        const StepResult later = run_model_steps(engine, 1);
+        CHECK(p.engine.allocations_per_step == later.block_allocations);
+        CHECK(p.engine.frees_per_step == later.block_frees);
+        CHECK(p.engine.waits_per_step == later.block_waits);
+      }
 }
 
 TEST_CASE("plan: offload_params at stage 3 leaves only gathered units and buffers on the GPU") {

@@ -180,12 +180,12 @@ Plan make_plan(const PlanInput& input) {
   plan.model_state = engine.memory();
   plan.model_state.buffers = 0;
   plan.host_state = engine.host_memory();
-  // The steady step follows the first (which makes the working set) and,
-  // with the delayed update, the synchronous warm-up steps, the step that
-  // starts the first background update and the one whose backward first
+  // The steady step follows the first, which makes the working set. With
+  // the delayed update it follows the synchronous warm-up steps, the step
+  // that starts the first background update and the one whose backward first
   // sends an update up (taking the staging block it keeps from then on).
   const int before_steady =
-      1 + (input.engine.offload.delayed_update ? input.engine.offload.delayed_update_warmup_steps + 1 : 0);
+      input.engine.offload.delayed_update ? input.engine.offload.delayed_update_warmup_steps + 2 : 1;
   run_model_steps(engine, before_steady);
   comm.reset_traffic();
   // The pool's calls as step() reports them: what the trainer logs.

@@ -145,7 +145,7 @@ void DelayedOffloadUpdater::send_released() {
   // here after this load (release on its side).
   const std::size_t done = std::min(buckets_updated_.load(std::memory_order_acquire), buckets.size());
   bool ordered = false;
-  for (std::size_t b = buckets.size() - done; b < buckets.size(); ++b) {
+  for (std::size_t b = 0; b < done; ++b) {
     if (!released_[b] || params_up_[b]) continue;
     // After every kernel backward has queued so far: those that read the
     // released buckets' parameters included.
@@ -174,8 +174,7 @@ void DelayedOffloadUpdater::download_accumulated(std::byte* grads) {
   // The statistics were read on the compute stream; the accumulator was
   // last written on the comm stream, where the copies queue behind it.
   m_.order_after(transfer, be.compute_stream());
-  // In the update's order (the last bucket first).
-  for (std::size_t b = buckets.size(); b-- > 0;) {
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
     m_.copy_to_host(grads + buckets[b].shard_offset * m_.g_size, m_.reduced_grad(b),
                     buckets[b].shard_size * m_.g_size, transfer);
     grad_downloaded_[b] = be.record_event(transfer);
@@ -246,19 +245,11 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
     try {
       omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
       if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
-      // The last bucket first: the next backward releases the buckets from
-      // the last to the first, so the buckets it has released and those the
-      // update has finished are both a tail of the list, and as many as the
-      // smaller of the two can go up (in bucket order, only as many as the
-      // two overlap: the update finished the first buckets, which backward
-      // releases last, and most went up at the end of backward or after it).
-      const std::size_t n = m_.layout.buckets().size();
-      for (std::size_t done = 0; done < n; ++done) {
-        const std::size_t b = n - 1 - done;
+      for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
         if (sent[b]) m_.backend.wait_event(sent[b]);              // its master slice went up
         update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
-        buckets_updated_.store(done + 1, std::memory_order_release);  // may go up during backward
+        buckets_updated_.store(b + 1, std::memory_order_release);  // may go up during backward
       }
     } catch (...) {
       error_ = std::current_exception();

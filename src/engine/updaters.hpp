@@ -134,7 +134,7 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   double pending_ema_decay_ = 0;  // plan.uploads_master: the decay the device's EMA still owes that update
   // offload.upload_during_backward (stages 1-2, parameters on the device).
   bool sends_during_backward_ = false;
-  std::atomic<std::size_t> buckets_updated_{0};  // the running update has finished the last this-many buckets
+  std::atomic<std::size_t> buckets_updated_{0};  // the running update has finished buckets [0, this)
   // Per bucket, for the pending update: backward released it (this step's
   // last micro-step); its parameters went up; its EMA was updated on the device.
   std::vector<char> released_, params_up_, ema_up_;

@@ -12,6 +12,9 @@
 #             this build (new), this build with the uploads at the step
 #             (atstep) and BASE_TREE's (base), alternated (ROUNDS, default 2;
 #             VARIANTS, default "new atstep base"; EXTRA: more trainer options).
+#  trace:     the offloaded run (this build) with a Kineto trace of step 10,
+#             where the compute stream waits and what the copies did meanwhile
+#             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py).
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
 #  tests:     TESTS (a ctest regex).
 set -uo pipefail
@@ -33,17 +36,24 @@ offloaded() {  # offloaded NAME BUILD [options...]
 }
 if has ab; then
   gb8=$(batch8_config) || exit 1
-  base=${BASE_TREE:?set BASE_TREE to the folder with the sources of the base commit}
+  base=${BASE_TREE:-}  # needed by the base variant only
   CONFIG=$gb8 run_trainer "sdxl-device-stage2-8x1" 240 --stage 2
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for variant in ${VARIANTS:-new atstep base}; do
       case $variant in
         new) offloaded "sdxl-offload-emadevice-new-r$round" "$BUILD" ;;
         atstep) offloaded "sdxl-offload-emadevice-atstep-r$round" "$BUILD" --offload_upload_during_backward false ;;
-        base) offloaded "sdxl-offload-emadevice-base-r$round" "$base/build/cuda" ;;
+        base) offloaded "sdxl-offload-emadevice-base-r$round" "${base:?set BASE_TREE for the base variant}/build/cuda" ;;
       esac
     done
   done
+fi
+if has trace; then
+  gb8=$(batch8_config) || exit 1
+  offloaded "sdxl-offload-emadevice-trace" "$BUILD" --profile_step 10
+  trace=/tmp/sdxl-offload-emadevice-trace/profile-step-10.json
+  python3 bench/gpu/stream_timeline.py "$trace" --top 25 --json "$OUT_DIR/stream-timeline.json" 2>&1 | tee -a "$LOG"
+  python3 bench/gpu/kernel_summary.py "$trace" --top 30 --json "$OUT_DIR/kernels.json" 2>&1 | tee -a "$LOG"
 fi
 if has b1; then
   for round in $(seq 1 "${B1_ROUNDS:-1}"); do

@@ -35,16 +35,19 @@ def family(name):
     return "other"
 
 
-def union_length(intervals):
-    total, end = 0.0, None
+def merged(intervals):
+    """The union of (start, end) intervals as sorted, disjoint [start, end] lists."""
+    out = []
     for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def union_length(intervals):
+    return sum(e - s for s, e in merged(intervals))
 
 
 def summarize(path):

@@ -34,8 +34,8 @@ offloaded() {  # offloaded NAME BUILD [options...]
     CONFIG='"$gb8"' run_trainer "$@"' _ "$name" 300 --stage 2 --offload_optimizer true --offload_delayed_update true \
     --ema_every 1 --offload_ema_on_device true ${EXTRA:-} "$@"
 }
+if has ab || has trace; then gb8=$(batch8_config) || exit 1; fi
 if has ab; then
-  gb8=$(batch8_config) || exit 1
   base=${BASE_TREE:-}  # needed by the base variant only
   CONFIG=$gb8 run_trainer "sdxl-device-stage2-8x1" 240 --stage 2
   for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -49,7 +49,6 @@ if has ab; then
   done
 fi
 if has trace; then
-  gb8=$(batch8_config) || exit 1
   offloaded "sdxl-offload-emadevice-trace" "$BUILD" --profile_step 10
   trace=/tmp/sdxl-offload-emadevice-trace/profile-step-10.json
   python3 bench/gpu/stream_timeline.py "$trace" --top 25 --json "$OUT_DIR/stream-timeline.json" 2>&1 | tee -a "$LOG"

@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from kernel_summary import merged, union_length  # the same interval union as the kernel summary
+
 
 def load_activities(path):
     try:
@@ -53,16 +55,6 @@ def load_activities(path):
     return acts
 
 
-def merged(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
 def overlap(a0, a1, b0, b1):
     return max(0.0, min(a1, b1) - max(a0, b0))
 
@@ -84,7 +76,7 @@ def analyze(path, gap_ms=0.5):
             s[a["kind"] + "_us"] += a["end"] - a["start"]
     compute = max(streams, key=lambda k: streams[k]["kernel_us"])
     busy = merged(streams[compute]["intervals"])
-    kernels = sorted((a for a in acts if a["stream"] == compute), key=lambda a: a["start"])
+    on_compute = [a for a in acts if a["stream"] == compute]  # kernels, and any copy or fill queued there
     copies = [a for a in acts if a["kind"] in ("h2d", "d2h")]
     gaps = []
     for (_, end), (start, _) in zip(busy, busy[1:]):
@@ -95,20 +87,20 @@ def analyze(path, gap_ms=0.5):
             inside = overlap(end, start, c["start"], c["end"])
             if inside > 0 and c["end"] > c["start"]:
                 moved[c["kind"]] += c["bytes"] * inside / (c["end"] - c["start"])
-        before = max((k for k in kernels if k["end"] <= end), key=lambda k: k["end"], default=None)
-        after = min((k for k in kernels if k["start"] >= start), key=lambda k: k["start"], default=None)
+        before = max((k for k in on_compute if k["end"] <= end), key=lambda k: k["end"], default=None)
+        after = min((k for k in on_compute if k["start"] >= start), key=lambda k: k["start"], default=None)
         gaps.append({"at_ms": (end - span0) / 1e3, "ms": (start - end) / 1e3,
                      "h2d_gb": moved["h2d"] / 1e9, "d2h_gb": moved["d2h"] / 1e9,
                      "before": before["name"][:80] if before else "", "after": after["name"][:80] if after else ""})
     gaps.sort(key=lambda g: -g["ms"])
-    busy_us = sum(e - s for s, e in busy)
+    busy_us = union_length(busy)
     return {
         "trace": path,
         "span_ms": (span1 - span0) / 1e3,
         "compute_stream": compute,
         "compute_busy_ms": busy_us / 1e3,
         "compute_idle_in_gaps_ms": sum(g["ms"] for g in gaps),
-        "streams": {str(k): {"busy_ms": sum(e - s for s, e in merged(v["intervals"])) / 1e3,
+        "streams": {str(k): {"busy_ms": union_length(v["intervals"]) / 1e3,
                              "kernels": v["kernels"], "kernel_ms": v["kernel_us"] / 1e3,
                              "h2d_gb": v["h2d_bytes"] / 1e9, "h2d_ms": v["h2d_us"] / 1e3,
                              "d2h_gb": v["d2h_bytes"] / 1e9, "d2h_ms": v["d2h_us"] / 1e3}

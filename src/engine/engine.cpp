@@ -590,6 +590,8 @@ MemoryByCategory Engine::host_memory() const {
           p.host_current(kState),  p.host_current(kEma),   p.host_current(kBuffers)};
 }
 
+int Engine::steps_before_steady() const { return impl_->updater->steps_before_steady(); }
+
 TransientMemory Engine::transient_memory() const {
   const detail::TransientUse now = impl_->pool.transient_now(), peak = impl_->pool.transient_peak();
   return {.gathered_units_at_peak = peak.gathered_units,

@@ -180,13 +180,8 @@ Plan make_plan(const PlanInput& input) {
   plan.model_state = engine.memory();
   plan.model_state.buffers = 0;
   plan.host_state = engine.host_memory();
-  // The steady step follows the first, which makes the working set. With
-  // the delayed update it follows the synchronous warm-up steps, the step
-  // that starts the first background update and the one whose backward first
-  // sends an update up (taking the staging block it keeps from then on).
-  const int before_steady =
-      input.engine.offload.delayed_update ? input.engine.offload.delayed_update_warmup_steps + 2 : 1;
-  run_model_steps(engine, before_steady);
+  // The steady step: the engine says how many steps come before it.
+  run_model_steps(engine, engine.steps_before_steady());
   comm.reset_traffic();
   // The pool's calls as step() reports them: what the trainer logs.
   const StepResult steady = run_model_steps(engine, 1);

@@ -58,6 +58,8 @@ class Updater {
   virtual void on_bucket_released(std::size_t b) { (void)b; }
   /// The last micro-step's backward is done (after every on_bucket_released).
   virtual void on_backward_done() {}
+  /// Engine::steps_before_steady: the first step makes the working set.
+  virtual int steps_before_steady() const { return 1; }
   /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
   virtual std::byte* host_gradients() { return nullptr; }
   /// Where the micro-steps after the first land before the CPU adds them

@@ -101,6 +101,10 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   void settle_for_reading() override;
   void on_bucket_released(std::size_t b) override;
   void on_backward_done() override;
+  /// The synchronous warm-up steps, the step that starts the first
+  /// background update, and the one whose backward first sends an update up
+  /// (taking the staging block it keeps from then on).
+  int steps_before_steady() const override { return m_.options.offload.delayed_update_warmup_steps + 2; }
 
  private:
   /// Starts the CPU update of this step's gradients on a background thread;

@@ -329,6 +329,12 @@ class Engine {
   MemoryByCategory predicted_host_state() const;
   /// Transient device memory now and at its highest (the planner's engine buffers).
   TransientMemory transient_memory() const;
+  /// How many step() calls come before the steady step, the first whose
+  /// pool calls, traffic and blocks every later step repeats (the planner's
+  /// replay counts that one): 1 (the first step makes the working set), more
+  /// with the delayed update (its warm-up, then the step that starts the
+  /// first background update and the one whose backward first sends one up).
+  int steps_before_steady() const;
 
  /// The engine's buffers and bookkeeping (src/engine/engine_impl.hpp): opaque
   /// here, shared by the engine's source files and its updaters.

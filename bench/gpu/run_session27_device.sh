@@ -14,7 +14,8 @@
 #             VARIANTS, default "new atstep base"; EXTRA: more trainer options).
 #  trace:     the offloaded run (this build) with a Kineto trace of step 10,
 #             where the compute stream waits and what the copies did meanwhile
-#             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py).
+#             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py);
+#             the trace itself gzipped into the output folder.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
 #  tests:     TESTS (a ctest regex).
 set -uo pipefail
@@ -53,6 +54,9 @@ if has trace; then
   trace=/tmp/sdxl-offload-emadevice-trace/profile-step-10.json
   python3 bench/gpu/stream_timeline.py "$trace" --top 25 --json "$OUT_DIR/stream-timeline.json" 2>&1 | tee -a "$LOG"
   python3 bench/gpu/kernel_summary.py "$trace" --top 30 --json "$OUT_DIR/kernels.json" 2>&1 | tee -a "$LOG"
+  # The whole trace, compressed, for a look beyond the two summaries (the
+  # device returns files up to its size limit; say so when it is left out).
+  gzip -c "$trace" > "$OUT_DIR/trace-offload-step10.json.gz" && ls -l "$OUT_DIR/trace-offload-step10.json.gz" | tee -a "$LOG"
 fi
 if has b1; then
   for round in $(seq 1 "${B1_ROUNDS:-1}"); do

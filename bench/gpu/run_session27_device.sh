@@ -15,7 +15,8 @@
 #  trace:     the offloaded run (this build) with a Kineto trace of step 10,
 #             where the compute stream waits and what the copies did meanwhile
 #             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py);
-#             the trace itself gzipped into the output folder.
+#             the trace itself gzipped into the output folder. First the
+#             on-device step's trace (TRACE_DEVICE=0: not), for its kernels.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
 #  tests:     TESTS (a ctest regex).
 set -uo pipefail
@@ -50,10 +51,20 @@ if has ab; then
   done
 fi
 if has trace; then
+  # The on-device step's trace too (TRACE_DEVICE=0 leaves it out): backward's
+  # kernels slower offloaded, with no gaps on the compute stream, would be the
+  # transfer stream's kernels beside them.
+  device_trace=
+  if [ "${TRACE_DEVICE:-1}" = 1 ]; then
+    CONFIG=$gb8 run_trainer "sdxl-device-stage2-trace" 240 --stage 2 --profile_step 10
+    device_trace=/tmp/sdxl-device-stage2-trace/profile-step-10.json
+    python3 bench/gpu/stream_timeline.py "$device_trace" --top 10 --json "$OUT_DIR/stream-timeline-device.json" 2>&1 | tee -a "$LOG"
+  fi
   offloaded "sdxl-offload-emadevice-trace" "$BUILD" --profile_step 10
   trace=/tmp/sdxl-offload-emadevice-trace/profile-step-10.json
   python3 bench/gpu/stream_timeline.py "$trace" --top 25 --json "$OUT_DIR/stream-timeline.json" 2>&1 | tee -a "$LOG"
-  python3 bench/gpu/kernel_summary.py "$trace" --top 30 --json "$OUT_DIR/kernels.json" 2>&1 | tee -a "$LOG"
+  # On-device first, offloaded second: their kernel families side by side.
+  python3 bench/gpu/kernel_summary.py $device_trace "$trace" --top 30 --json "$OUT_DIR/kernels.json" 2>&1 | tee -a "$LOG"
   # The whole trace, compressed, for a look beyond the two summaries (the
   # device returns files up to its size limit; say so when it is left out).
   gzip -c "$trace" > "$OUT_DIR/trace-offload-step10.json.gz" && ls -l "$OUT_DIR/trace-offload-step10.json.gz" | tee -a "$LOG"

@@ -65,8 +65,8 @@ if has trace; then
   python3 bench/gpu/stream_timeline.py "$trace" --top 25 --json "$OUT_DIR/stream-timeline.json" 2>&1 | tee -a "$LOG"
   # On-device first, offloaded second: their kernel families side by side.
   python3 bench/gpu/kernel_summary.py $device_trace "$trace" --top 30 --json "$OUT_DIR/kernels.json" 2>&1 | tee -a "$LOG"
-  # The whole trace, compressed, for a look beyond the two summaries (the
-  # device returns files up to its size limit; say so when it is left out).
+  # The whole trace, compressed, for a look beyond the two summaries; its size
+  # goes into the log, since the device leaves out files over its limit.
   gzip -c "$trace" > "$OUT_DIR/trace-offload-step10.json.gz" && ls -l "$OUT_DIR/trace-offload-step10.json.gz" | tee -a "$LOG"
 fi
 if has b1; then

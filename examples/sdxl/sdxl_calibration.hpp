@@ -90,6 +90,10 @@ inline zero::plan::SpeedModel speed_model() {
   // update's time (less than its 8 of 34 bytes: it reads the master from cache).
   s.cpu_elements_per_second = 2.65e9;
   s.cpu_ema_share = 0.125;
+  // bench/results/session26.md, the same build with and without
+  // offload_ema_on_device, alternated in one call (H100 machine, 16 cores):
+  // 0.676 / 0.865, 0.739 / 0.917 and 0.663 / 0.935 s of CPU update per step.
+  s.cpu_update_share_ema_on_device = 0.765;
   // Not measured on the H200 host: the bf16 addition ran 4.6x the AdamW + EMA
   // rate on the 2-core CI machine (6.7 vs 1.45 G elements/s), applied to 2.25.
   s.cpu_add_elements_per_second = 10e9;

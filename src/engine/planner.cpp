@@ -279,14 +279,14 @@ double Plan::seconds_per_step() const {
     // and backward of each micro-step), counted as not hidden by compute.
     const double p = static_cast<double>(size_of(input.engine.param_dtype));
     // With the EMA on the device, the fp32 master goes up instead of the
-    // model-dtype copy, and the CPU writes neither the EMA nor the copy
-    // (the copy's share: model-dtype bytes of the ~34 an update moves).
+    // model-dtype copy, and the CPU writes neither the EMA nor the copy (a
+    // measured share of the whole update's time).
     const bool ema_on_device = input.engine.offload.ema_on_device;
     const double up_after_step = input.engine.offload.params ? 0.0 : ema_on_device ? 4.0 : p;
     const EmaOptions& ema = input.engine.ema;
-    const double cpu_ema = ema.enabled() && !ema_on_device ? s.cpu_ema_share / ema.every : 0.0;
-    const double cpu_copy_share = ema_on_device ? s.cpu_ema_share * p / 8.0 : 0.0;
-    const double update_share = 1.0 - s.cpu_ema_share - cpu_copy_share + cpu_ema;
+    const double update_share =
+        ema_on_device ? s.cpu_update_share_ema_on_device
+                      : 1.0 - s.cpu_ema_share + (ema.enabled() ? s.cpu_ema_share / ema.every : 0.0);
     offload = std::max(shard * ranks_per_host * update_share / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);

@@ -117,6 +117,12 @@ struct SpeedModel {
   /// 16-bit gradient in and copy out). Without an EMA the update costs
   /// 1 - share; with EmaOptions::every = k, 1 - share + share / k.
   double cpu_ema_share = 8.0 / 34.0;
+  /// offload.ema_on_device: the CPU update without the EMA and without the
+  /// model-dtype copy (the fp32 master goes up and the GPU rounds it), as a
+  /// share of the update with both (EMA every step). Its own constant: the
+  /// copy's cost is not the EMA's by byte count (measured 0.71-0.81 where the
+  /// bytes say 26 / 36). The default is the bytes' share.
+  double cpu_update_share_ema_on_device = 26.0 / 36.0;
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
   /// offload.params: the parameter uploads of stage 3's gathers (forward and
   /// backward of each micro-step), counted as not hidden by compute. They go

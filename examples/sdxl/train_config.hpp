@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+namespace zero {
+struct EngineOptions;
+}
+
 namespace sdxl {
 
 struct TrainConfig {
@@ -183,6 +187,11 @@ struct TrainConfig {
   /// TOML text of every option (what was used), for logs and checkpoints.
   std::string to_toml() const;
 };
+
+/// The engine's options as this configuration sets them (stage, dtypes,
+/// buckets, optimizer, EMA, offload). validate() checks them with the engine's
+/// own rules, so the rules on how these options combine live in one place.
+zero::EngineOptions engine_options(const TrainConfig& cfg);
 
 /// Reads `--config file.toml` and `--key value` overrides from argv; returns
 /// false when --help was printed (exit 0). Unknown keys in the file, wrong

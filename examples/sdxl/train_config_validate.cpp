@@ -10,6 +10,8 @@
 
 #include "zero/core/error.hpp"
 #include "zero/engine/memory_model.hpp"
+#include "zero/engine/options.hpp"
+#include "zero/optim/optimizer.hpp"
 
 namespace sdxl {
 
@@ -148,25 +150,8 @@ void TrainConfig::validate() const {
              bucket_mib);
   one_of(accumulation_mode, {"each", "boundary"}, "accumulation_mode");
   one_of(units, {"layers", "blocks"}, "units");
-  ZERO_CHECK(!offload_optimizer || stage >= 1, "offload_optimizer needs stage 1, 2 or 3, got stage ", stage);
-  ZERO_CHECK(!offload_params || (stage == 3 && offload_optimizer),
-             "offload_params needs stage = 3 and offload_optimizer = true, got stage ", stage,
-             offload_optimizer ? "" : " without offload_optimizer");
-  // Any accumulation and offload_params are fine (the engine double-buffers
-  // what the background update writes).
-  ZERO_CHECK(!offload_delayed_update || offload_optimizer,
-             "offload_delayed_update needs offload_optimizer = true (the delayed update is the CPU optimizer's), got "
-             "offload_optimizer = false");
-  ZERO_CHECK(!offload_accumulate_on_host || offload_optimizer,
-             "offload_accumulate_on_host needs offload_optimizer = true (the host holds the optimizer's gradient "
-             "shard), got offload_optimizer = false");
-  ZERO_CHECK(!offload_accumulate_on_host || accumulation_mode == "each",
-             "offload_accumulate_on_host needs accumulation_mode = \"each\" (with \"boundary\" the micro-steps "
-             "accumulate on the GPU before the one reduction), got \"", accumulation_mode, "\"");
-  ZERO_CHECK(!offload_ema_on_device || (offload_optimizer && ema_decay > 0 && !offload_params),
-             "offload_ema_on_device needs offload_optimizer = true, ema_decay > 0 and offload_params = false (it "
-             "keeps the EMA on the GPU beside the parameters), got offload_optimizer = ", offload_optimizer ? "true" : "false",
-             ", ema_decay = ", ema_decay, ", offload_params = ", offload_params ? "true" : "false");
+  // How the offload options combine with the stage, the EMA and each other:
+  // the engine's rules (engine_options(*this).validate() below).
   ZERO_CHECK(offload_update_threads >= 0 && offload_update_threads <= 4096,
              "offload_update_threads must be in [0, 4096] (0: the cores less one), got ", offload_update_threads);
   ZERO_CHECK(offload_gradient_threads >= 0 && offload_gradient_threads <= 4096,
@@ -210,6 +195,47 @@ void TrainConfig::validate() const {
              "export_full_checkpoint_unet = \"ema\" needs an EMA ([optimizer] ema_decay > 0)");
   // With epochs the upper bounds wait for the dataset (validate_length again then).
   validate_length(epochs == 0 ? steps : std::numeric_limits<std::int64_t>::max());
+  // Last: every key above is in range, so what the engine refuses is how the
+  // options combine. Its messages name the trainer's keys after the engine's
+  // struct ("EngineOptions.offload: "), which a config's reader does not know.
+  try {
+    engine_options(*this).validate();
+  } catch (const zero::InvalidArgument& e) {
+    std::string message = e.message();
+    const std::string engine_prefix = "EngineOptions.offload: ";
+    if (message.starts_with(engine_prefix)) message.erase(0, engine_prefix.size());
+    ZERO_THROW(zero::InvalidArgument, message);
+  }
+}
+
+zero::EngineOptions engine_options(const TrainConfig& cfg) {
+  zero::EngineOptions options;
+  options.stage = static_cast<int>(cfg.stage);
+  options.param_dtype = zero::parse_dtype(cfg.precision, "precision");
+  options.buckets.bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
+  options.buckets.max_reductions_in_flight = static_cast<int>(cfg.reductions_in_flight);
+  options.buckets.prefetch_units = static_cast<int>(cfg.prefetch_units);
+  options.accumulation_steps = static_cast<int>(cfg.accumulation);
+  options.accumulation = cfg.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
+                                                             : zero::GradAccumulation::reduce_each_micro_step;
+  options.max_grad_norm = cfg.max_grad_norm;
+  options.optimizer = {.kind = zero::parse_optimizer_kind(cfg.optimizer, "optimizer"), .lr = cfg.lr,
+                       .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
+                       .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
+  options.ema.decay = cfg.ema_decay;
+  options.ema.every = static_cast<int>(cfg.ema_every);
+  options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
+  options.offload.optimizer = cfg.offload_optimizer;
+  options.offload.params = cfg.offload_params;
+  options.shard_group_size = static_cast<int>(cfg.shard_group_size);
+  options.offload.delayed_update = cfg.offload_delayed_update;
+  options.offload.accumulate_on_host = cfg.offload_accumulate_on_host;
+  options.offload.ema_on_device = cfg.offload_ema_on_device;
+  options.offload.upload_during_backward = cfg.offload_upload_during_backward;
+  options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
+  options.offload.update_threads = static_cast<int>(cfg.offload_update_threads);
+  options.offload.gradient_worker_threads = static_cast<int>(cfg.offload_gradient_threads);
+  return options;
 }
 
 void TrainConfig::validate_length(std::int64_t total_steps) const {

@@ -39,40 +39,6 @@ UNetConfig resolve_model_config(const std::string& name) {
   return read_unet_config(name);
 }
 
-zero::DType dtype_of(const std::string& precision) { return zero::parse_dtype(precision, "precision"); }
-
-// ------------------------------------------------------------------ the model on the engine
-
-zero::EngineOptions engine_options(const TrainConfig& cfg) {
-  zero::EngineOptions options;
-  options.stage = static_cast<int>(cfg.stage);
-  options.param_dtype = dtype_of(cfg.precision);
-  options.buckets.bytes = static_cast<std::size_t>(cfg.bucket_mib * (1 << 20));
-  options.buckets.max_reductions_in_flight = static_cast<int>(cfg.reductions_in_flight);
-  options.buckets.prefetch_units = static_cast<int>(cfg.prefetch_units);
-  options.accumulation_steps = static_cast<int>(cfg.accumulation);
-  options.accumulation = cfg.accumulation_mode == "boundary" ? zero::GradAccumulation::reduce_at_boundary
-                                                             : zero::GradAccumulation::reduce_each_micro_step;
-  options.max_grad_norm = cfg.max_grad_norm;
-  options.optimizer = {.kind = zero::parse_optimizer_kind(cfg.optimizer, "optimizer"), .lr = cfg.lr,
-                       .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
-                       .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
-  options.ema.decay = cfg.ema_decay;
-  options.ema.every = static_cast<int>(cfg.ema_every);
-  options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);
-  options.offload.optimizer = cfg.offload_optimizer;
-  options.offload.params = cfg.offload_params;
-  options.shard_group_size = static_cast<int>(cfg.shard_group_size);
-  options.offload.delayed_update = cfg.offload_delayed_update;
-  options.offload.accumulate_on_host = cfg.offload_accumulate_on_host;
-  options.offload.ema_on_device = cfg.offload_ema_on_device;
-  options.offload.upload_during_backward = cfg.offload_upload_during_backward;
-  options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
-  options.offload.update_threads = static_cast<int>(cfg.offload_update_threads);
-  options.offload.gradient_worker_threads = static_cast<int>(cfg.offload_gradient_threads);
-  return options;
-}
-
 /// Before the UNet is built: each rank on this host builds it in fp32 first,
 /// so a config whose parameters cannot fit the host's memory is refused here
 /// with its size, not in an allocation failure inside LibTorch.

@@ -9,7 +9,9 @@
    (train_config_validate.cpp:N) unless ZERO_DEBUG=1; bucket_mib's message
    names bucket_mib (not EngineOptions.bucket_bytes); the batch-size message
    names options a user can set (not LastBatchPolicy::pad).
-2. Sizes known before anything is allocated are refused at once, naming the
+2. Sizes known before anything is allocated, and offload options that do not
+   combine (offload_ema_on_device alone: the engine's rule, in the trainer's
+   words), are refused at once, naming the
    option and its limit: synthetic_samples 2e9, latent_size 65536,
    batch_size 1e6, a UNet config with layers_per_block 100000 and one whose
    parameters exceed kMaxParameters.
@@ -111,6 +113,12 @@ check_refused_early(train("ema_every", "--ema_decay", "0.99", "--ema_every", "20
                     r"ema_every = 200 is longer than the EMA's horizon")
 check_refused_early(train("threads", "--offload_update_threads", "-1"), "offload_update_threads -1",
                     r"offload_update_threads must be in \[0, 4096\]")
+# How options combine is the engine's rule, checked before anything is built,
+# named by the trainer's keys.
+r = train("ema_on_device", "--offload_ema_on_device", "true")
+check_refused(r, "offload_ema_on_device without offload_optimizer", r"offload_ema_on_device needs offload_optimizer",
+              forbidden=("EngineOptions", "[zero] [zero]"))
+check(r.elapsed < 30, f"offload_ema_on_device: refused in {r.elapsed:.1f} s (< 30 s)")
 check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductions_in_flight 0",
                     r"reductions_in_flight \(\[zero\]\) must be in \[1, 1024\]")
 check_refused_early(train("prefetch", "--prefetch_units", "-1"), "prefetch_units -1",

@@ -122,7 +122,20 @@ void PlanInput::validate() const {
 
 namespace {
 
-std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
+std::string gib_text(std::size_t bytes) { return format_bytes(bytes); }
+
+std::string with_commas(std::size_t n) {
+  std::string digits = std::to_string(n), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<ParamSpec>> engine_groups(const PlanInput& in) {
   std::vector<std::vector<ParamSpec>> groups;
   if (!in.units.empty()) {
     for (const PlanUnit& unit : in.units) {
@@ -146,19 +159,6 @@ std::vector<std::vector<ParamSpec>> groups_of(const PlanInput& in) {
   return groups;
 }
 
-std::string gib_text(std::size_t bytes) { return format_bytes(bytes); }
-
-std::string with_commas(std::size_t n) {
-  std::string digits = std::to_string(n), out;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
-}  // namespace
-
 // ---------------------------------------------------------------- make_plan
 
 Plan make_plan(const PlanInput& input) {
@@ -167,7 +167,7 @@ Plan make_plan(const PlanInput& input) {
   plan.input = input;
   CountingBackend backend;
   SimulatedCommunicator comm(input.world_size);
-  Engine engine(groups_of(input), input.engine, comm, backend);
+  Engine engine(engine_groups(input), input.engine, comm, backend);
   const FlatLayout& layout = engine.layout();
   plan.padded_numel = layout.padded_numel();
   plan.unit_count = layout.buckets().size();

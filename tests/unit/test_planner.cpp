@@ -220,12 +220,10 @@ TEST_CASE("plan: the pool's calls a step are the steady state's, after the delay
         in.engine.offload.delayed_update_warmup_steps = warmup;
         in.engine.offload.ema_on_device = ema_on_device;
         const plan::Plan p = plan::make_plan(in);
-        // The same engine (one tensor a unit, as make_plan groups them), run far past the warm-up.
-        std::vector<std::vector<ParamSpec>> groups;
-        for (const plan::PlanUnit& unit : in.units) groups.push_back({{unit.name + ".0", unit.tensors[0], {}}});
+        // The same engine as make_plan's, run far past the warm-up.
         CountingBackend backend;
         SimulatedCommunicator comm(in.world_size);
-        Engine engine(groups, in.engine, comm, backend);
+        Engine engine(plan::engine_groups(in), in.engine, comm, backend);
         run_model_steps(engine, warmup + 6);
         const StepResult later = run_model_steps(engine, 1);
         CHECK(p.engine.allocations_per_step == later.block_allocations);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "zero/core/dtype.hpp"
+#include "zero/core/layout.hpp"
 #include "zero/engine/memory_model.hpp"
 #include "zero/engine/options.hpp"
 
@@ -282,6 +283,11 @@ struct Plan {
 /// Predicts the bytes of one configuration. Throws zero::InvalidArgument for
 /// invalid inputs (the field named).
 Plan make_plan(const PlanInput& input);
+
+/// The parameter groups make_plan's engine is built from: one group a unit
+/// (its tensors, then its frozen tensors), or, for a bare parameter count,
+/// groups of buckets.bytes. Tests replaying the same engine take them here.
+std::vector<std::vector<ParamSpec>> engine_groups(const PlanInput& input);
 
 /// Which end of the peak's range fit() and check_fits() compare.
 enum class PeakEstimate {

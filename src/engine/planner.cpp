@@ -108,6 +108,11 @@ void PlanInput::validate() const {
   ZERO_CHECK(speed.gpu_seconds_per_step >= 0 && speed.gpu_seconds_per_sample >= 0 &&
                  speed.gpu_seconds_per_step + speed.gpu_seconds_per_sample > 0,
              "plan: speed.gpu_seconds_per_step and gpu_seconds_per_sample must be >= 0, not both 0");
+  ZERO_CHECK(std::isfinite(speed.delayed_offload_fwd_bwd_factor) && speed.delayed_offload_fwd_bwd_factor >= 1,
+             "plan: speed.delayed_offload_fwd_bwd_factor must be >= 1 (1: no slowdown), got ",
+             speed.delayed_offload_fwd_bwd_factor);
+  ZERO_CHECK(speed.cpu_update_share_ema_on_device > 0 && speed.cpu_update_share_ema_on_device <= 1,
+             "plan: speed.cpu_update_share_ema_on_device must be in (0, 1], got ", speed.cpu_update_share_ema_on_device);
 }
 
 // ---------------------------------------------------------------- the engine, counted
@@ -307,8 +312,9 @@ double Plan::seconds_per_step() const {
   // uploads included, which it does not hide), and the host additions share
   // the CPU with it: the slower side counts. Without it, the additions run
   // beside the micro-steps and the update follows them.
-  const double step = input.engine.offload.delayed_update ? std::max(gpu + gathers, offload + host_additions)
-                                                          : std::max(gpu + gathers, host_additions) + offload;
+  const double step = input.engine.offload.delayed_update
+                          ? std::max(gpu * s.delayed_offload_fwd_bwd_factor + gathers, offload + host_additions)
+                          : std::max(gpu + gathers, host_additions) + offload;
   return step;
 }
 

@@ -742,6 +742,40 @@ TEST_CASE("plan speed: stage 3's parameter uploads at their own rate, the bulk r
   CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("param_gather_bytes_per_second"), zero::InvalidArgument);
 }
 
+TEST_CASE("plan speed: the delayed update's forward + backward at their measured slowdown; the EMA on the GPU at its share") {
+  plan::PlanInput in = sdxl_input();
+  in.world_size = 1;
+  in.batch = 8;
+  in.engine.stage = 2;
+  in.engine.offload.optimizer = true;
+  in.engine.ema.decay = 0.999;
+  in.speed = plan::SpeedModel{};
+  in.speed.gpu_seconds_per_step = 0.1;
+  in.speed.gpu_seconds_per_sample = 0.05;
+  in.speed.checkpointing_factor = 1.0;
+  in.speed.pcie_bytes_per_second = 1e30;
+  in.speed.cpu_elements_per_second = 1e30;  // the device side is the step
+  in.speed.delayed_offload_fwd_bwd_factor = 1.25;
+  const double compute = 0.1 + 0.05 * 8;
+  // The synchronous update: forward + backward alone, at the device's speed.
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(compute));
+  in.engine.offload.delayed_update = true;
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(compute * 1.25));
+  // Where the CPU update is slower, it is the step, at its share with the EMA on the GPU.
+  const double elements = static_cast<double>(plan::make_plan(in).padded_numel);
+  in.speed.cpu_elements_per_second = elements;  // the whole update (AdamW + EMA): 1 s
+  in.speed.cpu_ema_share = 0.2;
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(1.0));
+  in.engine.offload.ema_on_device = true;
+  in.speed.cpu_update_share_ema_on_device = 0.75;
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(0.75));
+  in.speed.cpu_update_share_ema_on_device = 0.1;  // below the device side: that is the step again
+  CHECK(plan::make_plan(in).seconds_per_step() == doctest::Approx(compute * 1.25));
+  in.speed.delayed_offload_fwd_bwd_factor = 0.5;
+  CHECK_THROWS_WITH_AS(plan::make_plan(in), doctest::Contains("delayed_offload_fwd_bwd_factor must be >= 1"),
+                       zero::InvalidArgument);
+}
+
 TEST_CASE("fit: equal predicted speed goes to fewer micro-steps, then less memory") {
   // The CPU update bounds every offloaded configuration's step: the model
   // predicts the same images/s for any split of the global batch. The

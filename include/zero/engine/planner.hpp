@@ -125,6 +125,11 @@ struct SpeedModel {
   /// bytes say 26 / 36). The default is the bytes' share.
   double cpu_update_share_ema_on_device = 26.0 / 36.0;
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
+  /// offload.delayed_update: forward + backward against the same micro-steps
+  /// on the device alone (x this), because the CPU update beside them and the
+  /// transfers (parameters up, gradients down) share the host's memory and the
+  /// GPU's with them. 1: no slowdown.
+  double delayed_offload_fwd_bwd_factor = 1.0;
   /// offload.params: the parameter uploads of stage 3's gathers (forward and
   /// backward of each micro-step), counted as not hidden by compute. They go
   /// up unit by unit as the schedule asks for them, far below the bulk rate

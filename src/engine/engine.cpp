@@ -135,6 +135,9 @@ std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std
 Engine::Impl::~Impl() {
   host_worker.reset();  // stops its jobs before the host shards they read and write go
   updater.reset();  // joins a delayed update before the state it writes goes
+  for (Pending& entry : pending)
+    for (Event e : {entry.scratch_free, entry.bucket_free})
+      if (e) backend.release_event(e);
   pending.clear();  // Work destructors wait
   param_gathers.clear();
   unit_work.clear();

@@ -96,6 +96,13 @@ struct Engine::Impl {
     WorkPtr work;
     void* scratch = nullptr;  // reduced values still to be added to the accumulator (or copied down)
     std::size_t scratch_bytes = 0;
+    // Streamed offload: the copy down queued at issue_reduce (no host wait
+    // before it), and the events after it that the scratch and the bucket
+    // buffer go back to the pool with at complete(): their next users wait
+    // for this copy, not for the copies of the buckets reduced since.
+    bool downloaded = false;
+    Event scratch_free = nullptr;
+    Event bucket_free = nullptr;
   };
   // Gradient downloads (plan.streams_grads_to_host): the event of each
   // bucket's copy to host memory. The device block it reads goes back to the
@@ -142,6 +149,12 @@ struct Engine::Impl {
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);
+  /// Streamed offload: the reduced bucket's copy to host memory on the comm
+  /// stream, and the host worker's jobs that wait for it.
+  void queue_download(Pending& entry);
+  /// Whether issue_reduce queues the copy down itself: nothing to wait for on
+  /// the host before it (no collective, or one ordered on the comm stream).
+  bool downloads_at_issue(const Pending& entry) const;
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();
   /// Every host job done (host_worker): the host gradient shard is whole,

@@ -68,10 +68,11 @@ inline std::size_t runtime_overhead_bytes() { return static_cast<std::size_t>(1.
 /// 0.2523 s at batch 4 and 0.4084 s at batch 8 (the checkpointed runs divided
 /// by 1.33), unet_bench's 0.0392 s per sample beyond; x 1.33 with
 /// checkpointing; 0.04 s per step for the device AdamW + EMA. Offload: the
-/// host's AdamW + EMA (the EMA in the update's pass) ran at 2.65 G elements/s
-/// (0.97 s per step for 2.57 B, delayed, beside backward), 0.85 s without
-/// the EMA; PCIe at 50 GB/s, stage 3's parameter uploads (offload_params)
-/// at 24.3.
+/// host's AdamW + EMA (the EMA in the update's pass) at 3.4 G elements/s, the
+/// EMA 0.125 of it, the update with the EMA on the GPU 0.765 of it, forward +
+/// backward beside the delayed update x 1.21 (the hosts of H100 machines, not
+/// yet the H200's: below); PCIe at 50 GB/s, stage 3's parameter uploads
+/// (offload_params) at 24.3.
 inline zero::plan::SpeedModel speed_model() {
   zero::plan::SpeedModel s;
   s.checkpointing_factor = 1.33;  // recompute: unet_bench 1.32x at batch 8; trainer 1.30x at batch 8
@@ -88,12 +89,24 @@ inline zero::plan::SpeedModel speed_model() {
   // update beside backward: 0.97 s with the EMA every step; with ema_every 4
   // 0.85 s at the steps without it, so the EMA is 1 - 0.85 / 0.97 of the
   // update's time (less than its 8 of 34 bytes: it reads the master from cache).
-  s.cpu_elements_per_second = 2.65e9;
   s.cpu_ema_share = 0.125;
+  // The rate: 2.65e9 on the H200 host then (session 17's kernels). Since
+  // session 27 the update's chunks are handed out dynamically (-12% on the
+  // same machine); on the H100 machines' hosts (16 cores, the same Xeon model
+  // name as the H200 machine's) the update with the EMA on the GPU took
+  // 0.519-0.590 s (sessions 28 and 30: 2.57e9 x 0.765 / 0.55 = 3.6e9), and
+  // with the host EMA 0.86-0.94 s before the change (session 26: ~0.78 after
+  // -12%, 3.3e9). Between the two; the H200 host is to be remeasured.
+  s.cpu_elements_per_second = 3.4e9;
   // bench/results/session26.md, the same build with and without
   // offload_ema_on_device, alternated in one call (H100 machine, 16 cores):
   // 0.676 / 0.865, 0.739 / 0.917 and 0.663 / 0.935 s of CPU update per step.
   s.cpu_update_share_ema_on_device = 0.765;
+  // The delayed update's forward + backward against on-device at batch 8 (H100
+  // machine, EMA on the GPU, parameters up during backward): 0.614 / 0.504
+  // (session 28), 0.626 / 0.516 (session 30, before backward stopped waiting
+  // for each bucket's download, which that trace found: predicted ~1.10 now).
+  s.delayed_offload_fwd_bwd_factor = 1.21;
   // Not measured on the H200 host: the bf16 addition ran 4.6x the AdamW + EMA
   // rate on the 2-core CI machine (6.7 vs 1.45 G elements/s), applied to 2.25.
   s.cpu_add_elements_per_second = 10e9;

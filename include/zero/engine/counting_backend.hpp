@@ -12,7 +12,7 @@
 
 namespace zero {
 
-class CountingBackend final : public Backend {
+class CountingBackend : public Backend {
  public:
   MemoryKind memory_kind() const override { return MemoryKind::device; }
   std::string name() const override { return "counting"; }

@@ -117,7 +117,7 @@ f = train("np2-stage3-offload", 2, "--stage", "3", "--offload_optimizer", "true"
 check(all(a[s] == f[s] for s in a), "stage 3 with optimizer and parameters offloaded: the same trajectory bit for bit")
 code, output = run_expecting_failure("offload-stage2", 1, "--stage", "2", "--offload_optimizer", "true",
                                      "--offload_params", "true")
-check(code != 0 and "offload_params needs stage = 3" in output, "offload_params below stage 3 is refused, naming it")
+check(code != 0 and "offload_params needs stage 3 with offload_optimizer" in output, "offload_params below stage 3 is refused, naming it")
 
 # The delayed update (ZeRO-Offload's DPU): step 1 and, after one synchronous
 # warm-up step, step 2 see the same parameters as the synchronous run, so
@@ -143,7 +143,7 @@ ema_files = [os.path.join(WORK, name, "unet_ema", "diffusion_pytorch_model.safet
 check(open(ema_files[0], "rb").read() == open(ema_files[1], "rb").read(),
       "offload_ema_on_device: the exported EMA UNet equals the host EMA's byte for byte")
 code, output = run_expecting_failure("ema-on-device-no-offload", 1, "--stage", "2", "--offload_ema_on_device", "true")
-check(code != 0 and "offload_ema_on_device needs offload_optimizer = true" in output,
+check(code != 0 and "offload_ema_on_device needs offload_optimizer" in output,
       "offload_ema_on_device without offload is refused, naming it")
 train("delayed-resumed", 2, *delayed, "--stop_after", "15")
 h = resume("delayed-resumed", 2, *delayed, "--resume", "latest")
@@ -190,10 +190,10 @@ check(all(th[s]["transfer/to_host_GBps"] > 0 and th[s]["transfer/to_device_GBps"
       "metrics.jsonl: the transfer rates over the step's time are logged")
 code, output = run_expecting_failure("host-accumulation-no-offload", 1, "--stage", "2", "--accumulation", "2",
                                      "--offload_accumulate_on_host", "true")
-check(code != 0 and "offload_accumulate_on_host needs offload_optimizer = true" in output,
+check(code != 0 and "offload_accumulate_on_host needs offload_optimizer" in output,
       "offload_accumulate_on_host without offload is refused, naming it")
 code, output = run_expecting_failure("delayed-no-offload", 1, "--stage", "2", "--offload_delayed_update", "true")
-check(code != 0 and "offload_delayed_update needs offload_optimizer = true" in output,
+check(code != 0 and "offload_delayed_update needs offload_optimizer" in output,
       "offload_delayed_update without offload is refused, naming it")
 
 # Channels-last (NHWC) activations: on the CPU the same model and math with

@@ -369,8 +369,10 @@ TEST_CASE("fit: per-layer units fit 12 GiB at global batch 8, where per-block un
   REQUIRE(proposal.best.has_value());
   const sdxl::FitDecision d = sdxl::fit_gpu_memory(c, sdxl::UNetConfig::sdxl_base(), engine_options_of(c), 1, 1);
   CHECK(options_of(c) == proposal.best->trainer_options());
-  CHECK(c.stage == 3);
-  CHECK(c.offload_params);
+  // Which offloaded configuration is fastest is the speed model's call (stage
+  // 3 with offload_params until session 30's refit of the host update; stage 2
+  // with the delayed update since): under 12 GiB the optimizer must go.
+  CHECK(c.offload_optimizer);
   CHECK(c.batch_size * c.accumulation == 8);
   CHECK(d.plan.gpu_peak() <= 12 * zero::plan::kGiB);
   CHECK(d.plan.unit_count == 93);

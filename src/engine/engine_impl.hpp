@@ -96,11 +96,10 @@ struct Engine::Impl {
     WorkPtr work;
     void* scratch = nullptr;  // reduced values still to be added to the accumulator (or copied down)
     std::size_t scratch_bytes = 0;
-    // Streamed offload: the copy down queued at issue_reduce (no host wait
-    // before it), and the events after it that the scratch and the bucket
-    // buffer go back to the pool with at complete(): their next users wait
-    // for this copy, not for the copies of the buckets reduced since.
-    bool downloaded = false;
+    // Streamed offload with the copy down queued at issue_reduce
+    // (downloads_at_issue): the events after that copy that the scratch and
+    // the bucket buffer go back to the pool with at complete(); their next
+    // users wait for this copy, not for the copies of the buckets reduced since.
     Event scratch_free = nullptr;
     Event bucket_free = nullptr;
   };
@@ -154,6 +153,8 @@ struct Engine::Impl {
   void queue_download(Pending& entry);
   /// Whether issue_reduce queues the copy down itself: nothing to wait for on
   /// the host before it (no collective, or one ordered on the comm stream).
+  /// The same answer at complete(), within the same micro-step: complete()
+  /// queues the copy where this says no.
   bool downloads_at_issue(const Pending& entry) const;
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();

@@ -107,7 +107,6 @@ void Engine::Impl::queue_download(Pending& entry) {
     host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[entry.bucket], copied);
     bucket_stats_queued[entry.bucket] = 1;
   }
-  entry.downloaded = true;
 }
 
 void Engine::Impl::complete(Pending& entry) {
@@ -122,7 +121,7 @@ void Engine::Impl::complete(Pending& entry) {
   if (plan.streams_grads_to_host) {
     // The reduced slice goes down now (unless it went at issue_reduce),
     // overlapping the rest of backward.
-    if (!entry.downloaded) queue_download(entry);
+    if (!downloads_at_issue(entry)) queue_download(entry);
     // Its next user waits on the device for the copy, not this thread.
     if (entry.scratch) give_back(entry.scratch, entry.scratch_bytes, entry.scratch_free);
     entry.scratch = nullptr;

@@ -18,6 +18,8 @@
 #             the trace itself gzipped into the output folder. First the
 #             on-device step's trace (TRACE_DEVICE=0: not), for its kernels.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
+#  fit:       the trainer's --fit 12GiB at global batch 8 (FIT_SIZES: other
+#             sizes), the planner's choice run as it chose it.
 #  tests:     TESTS (a ctest regex).
 set -uo pipefail
 NAME=session27 DEFAULT_PHASES="build buildbase ab"
@@ -36,7 +38,7 @@ offloaded() {  # offloaded NAME BUILD [options...]
     CONFIG='"$gb8"' run_trainer "$@"' _ "$name" 300 --stage 2 --offload_optimizer true --offload_delayed_update true \
     --ema_every 1 --offload_ema_on_device true ${EXTRA:-} "$@"
 }
-if has ab || has trace; then gb8=$(batch8_config) || exit 1; fi
+if has ab || has trace || has fit; then gb8=$(batch8_config) || exit 1; fi
 if has ab; then
   base=${BASE_TREE:-}  # needed by the base variant only
   CONFIG=$gb8 run_trainer "sdxl-device-stage2-8x1" 240 --stage 2
@@ -68,6 +70,11 @@ if has trace; then
   # The whole trace, compressed, for a look beyond the two summaries; its size
   # goes into the log, since the device leaves out files over its limit.
   gzip -c "$trace" > "$OUT_DIR/trace-offload-step10.json.gz" && ls -l "$OUT_DIR/trace-offload-step10.json.gz" | tee -a "$LOG"
+fi
+if has fit; then
+  for size in ${FIT_SIZES:-12GiB}; do
+    CONFIG=$gb8 run_trainer "sdxl-fit-$size-gb8" 300 --fit "$size"
+  done
 fi
 if has b1; then
   for round in $(seq 1 "${B1_ROUNDS:-1}"); do

@@ -595,6 +595,8 @@ MemoryByCategory Engine::host_memory() const {
 
 int Engine::steps_before_steady() const { return impl_->updater->steps_before_steady(); }
 
+std::vector<std::size_t> Engine::cpu_update_order() const { return impl_->updater->cpu_update_order(); }
+
 TransientMemory Engine::transient_memory() const {
   const detail::TransientUse now = impl_->pool.transient_now(), peak = impl_->pool.transient_peak();
   return {.gathered_units_at_peak = peak.gathered_units,

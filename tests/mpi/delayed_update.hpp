@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -155,47 +157,61 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
 // at every step. Reading the state before every second step joins the
 // running update and leaves its upload pending, so in that backward every
 // bucket is finished and goes up during it (the count is exact); on the
-// other steps as many as the CPU has finished.
+// other steps as many as the CPU has finished. With the gradients handed
+// over last to first (a model's backward), the update takes the buckets in
+// that order (the last backward's), and the values are still the same.
 inline void check_upload_during_backward(Communicator& comm, Backend& backend) {
   const auto each = GradAccumulation::reduce_each_micro_step, boundary = GradAccumulation::reduce_at_boundary;
   const DelayedCase cases[] = {{1, false, 1, each}, {2, false, 1, each}, {2, false, 3, each}, {1, false, 2, boundary}};
-  for (DType dtype : {DType::fp32, DType::bf16})
-    for (const DelayedCase& c : cases) {
-      CAPTURE(dtype);
-      CAPTURE(c.stage);
-      CAPTURE(c.accumulation);
-      EngineOptions o = delayed_options(c, dtype);
-      o.offload.delayed_update = true;
-      // bf16: the master goes up and the device keeps the EMA; fp32: the
-      // CPU writes the parameters' copy, which goes up.
-      o.offload.ema_on_device = dtype == DType::bf16;
-      o.offload.upload_during_backward = false;
-      Engine at_step(mlp_units(), o, comm, backend);
-      o.offload.upload_during_backward = true;
-      Engine during(mlp_units(), o, comm, backend);
-      init_random_params(at_step);
-      init_random_params(during);
-      const std::size_t buckets = during.layout().buckets().size();
-      for (int k = 1; k <= 6; ++k) {
-        CAPTURE(k);
-        const bool joined = k % 2 == 0;
-        if (joined) CHECK(bitwise_equal(during.gather_ema_params(), at_step.gather_ema_params()));
-        const auto weights = read_model_params(at_step, &backend);
-        CHECK(bitwise_equal(read_model_params(during, &backend), weights));
-        const StepResult want = run_step_from(at_step, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
-        const StepResult got = run_step_from(during, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
-        CHECK(got.grad_norm == want.grad_norm);
-        CHECK(got.clip_coefficient == want.clip_coefficient);
-        CHECK(want.buckets_up_during_backward == 0);
-        // Step 1's backward had no finished update to send.
-        if (joined) CHECK(got.buckets_up_during_backward == buckets);
-        if (k == 1) CHECK(got.buckets_up_during_backward == 0);
-        CHECK(got.host_to_device_bytes == want.host_to_device_bytes);
+  for (bool backward_order : {false, true})
+    for (DType dtype : {DType::fp32, DType::bf16})
+      for (const DelayedCase& c : cases) {
+        CAPTURE(backward_order);
+        CAPTURE(dtype);
+        CAPTURE(c.stage);
+        CAPTURE(c.accumulation);
+        EngineOptions o = delayed_options(c, dtype);
+        o.offload.delayed_update = true;
+        // bf16: the master goes up and the device keeps the EMA; fp32: the
+        // CPU writes the parameters' copy, which goes up.
+        o.offload.ema_on_device = dtype == DType::bf16;
+        o.offload.upload_during_backward = false;
+        Engine at_step(mlp_units(), o, comm, backend);
+        o.offload.upload_during_backward = true;
+        Engine during(mlp_units(), o, comm, backend);
+        init_random_params(at_step);
+        init_random_params(during);
+        const std::size_t buckets = during.layout().buckets().size();
+        std::vector<std::size_t> bucket_order(buckets), release_order(buckets);
+        std::iota(bucket_order.begin(), bucket_order.end(), std::size_t{0});
+        std::reverse_copy(bucket_order.begin(), bucket_order.end(), release_order.begin());
+        if (!backward_order) release_order = bucket_order;
+        CHECK(during.cpu_update_order() == bucket_order);  // no backward yet
+        for (int k = 1; k <= 6; ++k) {
+          CAPTURE(k);
+          const bool joined = k % 2 == 0;
+          if (joined) CHECK(bitwise_equal(during.gather_ema_params(), at_step.gather_ema_params()));
+          const auto weights = read_model_params(at_step, &backend);
+          CHECK(bitwise_equal(read_model_params(during, &backend), weights));
+          const StepResult want =
+              run_step_from(at_step, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend, backward_order);
+          const StepResult got =
+              run_step_from(during, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend, backward_order);
+          // Sending at step(), the order gains nothing: bucket order.
+          CHECK(at_step.cpu_update_order() == bucket_order);
+          CHECK(during.cpu_update_order() == release_order);
+          CHECK(got.grad_norm == want.grad_norm);
+          CHECK(got.clip_coefficient == want.clip_coefficient);
+          CHECK(want.buckets_up_during_backward == 0);
+          // Step 1's backward had no finished update to send.
+          if (joined) CHECK(got.buckets_up_during_backward == buckets);
+          if (k == 1) CHECK(got.buckets_up_during_backward == 0);
+          CHECK(got.host_to_device_bytes == want.host_to_device_bytes);
+        }
+        check_same_update_state(during, at_step);
+        CHECK(bitwise_equal(during.gather_model_params(), at_step.gather_model_params()));
+        CHECK(bitwise_equal(read_model_params(during, &backend), read_model_params(at_step, &backend)));
       }
-      check_same_update_state(during, at_step);
-      CHECK(bitwise_equal(during.gather_model_params(), at_step.gather_model_params()));
-      CHECK(bitwise_equal(read_model_params(during, &backend), read_model_params(at_step, &backend)));
-    }
 }
 
 // A checkpoint taken mid-run completes the pending update first, so a run

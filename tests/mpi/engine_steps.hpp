@@ -59,8 +59,11 @@ enum class StepGradient {
 /// accumulation was driven here.
 /// poison_rank >= 0: that rank writes a NaN into element 0 of parameter 0 (first micro-step).
 /// With a backend, the gradients are written through it (device memory).
+/// backward_order: the parameters' gradients are handed over last to first,
+/// as a model's backward does (the values are the same either way).
 inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<float>>& w, int step, int rank,
-                                StepGradient kind, int poison_rank = -1, Backend* backend = nullptr) {
+                                StepGradient kind, int poison_rank = -1, Backend* backend = nullptr,
+                                bool backward_order = false) {
   const DType g = engine.options().effective_grad_dtype();
   // Backward adds into a full buffer that is reduced only at the boundary
   // (as autograd accumulates .grad); elsewhere each micro-step's buffer is fresh.
@@ -68,17 +71,24 @@ inline StepResult run_step_from(Engine& engine, const std::vector<std::vector<fl
   for (int micro = 0; micro < engine.options().accumulation_steps; ++micro) {
     std::mt19937 rng(static_cast<std::uint32_t>(step * 131 + rank + micro * 7919));
     std::normal_distribution<float> normal;
+    // Drawn in parameter order whatever the hand-over order: the same values.
+    std::vector<std::vector<float>> values(engine.param_count());
     for (std::size_t p = 0; p < engine.param_count(); ++p) {
+      if (engine.frozen(p)) continue;
+      for (std::size_t k = 0; k < w[p].size(); ++k) {
+        const float noise = 0.1f * normal(rng);
+        values[p].push_back(kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise);
+      }
+    }
+    for (std::size_t i = 0; i < engine.param_count(); ++i) {
+      const std::size_t p = backward_order ? engine.param_count() - 1 - i : i;
       if (engine.frozen(p)) continue;  // no gradient
       void* grad = engine.grad_data(p);
       std::vector<std::byte> staged(backend ? w[p].size() * size_of(g) : 0);
       void* out = backend ? staged.data() : grad;
       if (backend && adds) backend->copy_to_host(staged.data(), grad, staged.size());
-      for (std::size_t k = 0; k < w[p].size(); ++k) {
-        const float noise = 0.1f * normal(rng);
-        const float value = kind == StepGradient::pull_to_half ? w[p][k] - 0.5f + noise : noise;
-        store_from_float(out, k, g, adds && micro > 0 ? load_as_float(out, k, g) + value : value);
-      }
+      for (std::size_t k = 0; k < w[p].size(); ++k)
+        store_from_float(out, k, g, adds && micro > 0 ? load_as_float(out, k, g) + values[p][k] : values[p][k]);
       if (p == 0 && micro == 0 && rank == poison_rank)
         store_from_float(out, 0, g, std::numeric_limits<float>::quiet_NaN());
       if (backend) backend->copy_from_host(grad, staged.data(), staged.size());

@@ -119,17 +119,6 @@ std::byte* BufferPool::acquire(Category c, std::size_t bytes, Stream stream) {
 }
 
 void BufferPool::give_back(Category c, void* p, std::size_t bytes, Stream last_use) {
-  std::size_t capacity = 0;
-  if (take_back(c, p, bytes, capacity)) keep_free(c, p, capacity, backend_.record_event(last_use));
-}
-
-void BufferPool::give_back_after(Category c, void* p, std::size_t bytes, Event last_use) {
-  std::size_t capacity = 0;
-  if (take_back(c, p, bytes, capacity)) keep_free(c, p, capacity, last_use);
-  else backend_.release_event(last_use);  // freed after a wait for both streams
-}
-
-bool BufferPool::take_back(Category c, void* p, std::size_t bytes, std::size_t& capacity) {
   const auto held = capacity_.find(p);
   ZERO_CHECK(held != capacity_.end(), "BufferPool::give_back: a block (", bytes, " bytes) this pool did not hand out");
   ZERO_CHECK(bytes <= held->second, "BufferPool::give_back: ", bytes, " bytes for a block of ", held->second);
@@ -147,16 +136,11 @@ bool BufferPool::take_back(Category c, void* p, std::size_t bytes, std::size_t& 
     // The device path orders frees after the work queued on these streams.
     wait_for_streams();
     deallocate_block(p, bytes);
-    return false;
+    return;
   }
-  capacity = bytes;
-  return true;
-}
-
-void BufferPool::keep_free(Category c, void* p, std::size_t capacity, Event last_use) {
-  count(kBuffers, static_cast<std::ptrdiff_t>(capacity));
-  free_blocks_[capacity].push_back({p, last_use});
-  count_transient(c, -static_cast<std::ptrdiff_t>(capacity), static_cast<std::ptrdiff_t>(capacity));
+  count(kBuffers, static_cast<std::ptrdiff_t>(bytes));
+  free_blocks_[bytes].push_back({p, backend_.record_event(last_use)});
+  count_transient(c, -static_cast<std::ptrdiff_t>(bytes), static_cast<std::ptrdiff_t>(bytes));
 }
 
 void BufferPool::wait_for_streams() {

@@ -70,10 +70,6 @@ class BufferPool {
   /// the pool keeps its working set, freed otherwise. The next acquire waits on the device for that last
   /// use, not the host: a stream-ordered pool, which a CUDA graph capture needs.
   void give_back(Category c, void* p, std::size_t bytes, Stream last_use);
-  /// give_back with the block's last use already recorded (the pool owns
-  /// `last_use` from here): work queued on that stream after it, such as the
-  /// next buckets' copies, is not waited for by the block's next user.
-  void give_back_after(Category c, void* p, std::size_t bytes, Event last_use);
 
   /// Frees cached blocks beyond the cache's limit (after one wait for both
   /// streams, where there are any): the working set kept within a step goes
@@ -120,10 +116,6 @@ class BufferPool {
   };
   std::map<std::size_t, std::vector<FreeBlock>> free_blocks_;  // reusable transient blocks by capacity
   void free_cached(const FreeBlock& block, std::size_t bytes);  // its last use waited for by the caller
-  /// give_back's accounting: true (and the block's capacity) where the pool
-  /// keeps it, false where it was freed (after a wait for both streams).
-  bool take_back(Category c, void* p, std::size_t bytes, std::size_t& capacity);
-  void keep_free(Category c, void* p, std::size_t capacity, Event last_use);
   bool capturing_ = false;
   std::map<void*, std::size_t> captured_;     // blocks acquired during the capture
   std::vector<std::pair<void*, std::size_t>> graph_blocks_;  // kept for a captured graph

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <utility>
 
 #include "updaters.hpp"
@@ -51,9 +50,6 @@ DelayedOffloadUpdater::DelayedOffloadUpdater(Engine::Impl& engine) : OffloadUpda
   params_up_.assign(buckets, 0);
   up_event_.assign(buckets, nullptr);
   ema_up_.assign(buckets, 0);
-  update_order_.resize(buckets);
-  std::iota(update_order_.begin(), update_order_.end(), std::size_t{0});
-  released_order_.reserve(buckets);
 }
 
 DelayedOffloadUpdater::~DelayedOffloadUpdater() {
@@ -122,11 +118,7 @@ void DelayedOffloadUpdater::settle_for_reading() {
 }
 
 void DelayedOffloadUpdater::on_bucket_released(std::size_t b) {
-  if (!sends_during_backward_ || m_.capturing) return;
-  // A new backward (or one after an interrupted one) starts the record anew.
-  if (released_order_.size() >= released_.size()) released_order_.clear();
-  released_order_.push_back(b);
-  if (!upload_pending_) return;
+  if (!sends_during_backward_ || !upload_pending_ || m_.capturing) return;
   // The staging block is taken at the first release of the first backward
   // with an update pending (a rule of the step sequence, not of timing: the
   // planner's replay takes it too) and kept from then on. Given back at the
@@ -149,12 +141,11 @@ void DelayedOffloadUpdater::send_released() {
   Backend& be = m_.backend;
   const Stream transfer = be.transfer_stream();
   const auto& buckets = m_.layout.buckets();
-  // The update finishes the buckets in update_order_; what it has written
-  // is visible here after this load (release on its side).
+  // The update finishes buckets in order; what it has written is visible
+  // here after this load (release on its side).
   const std::size_t done = std::min(buckets_updated_.load(std::memory_order_acquire), buckets.size());
   bool ordered = false;
-  for (std::size_t k = 0; k < done; ++k) {
-    const std::size_t b = update_order_[k];
+  for (std::size_t b = 0; b < done; ++b) {
     if (!released_[b] || params_up_[b]) continue;
     // After every kernel backward has queued so far: those that read the
     // released buckets' parameters included.
@@ -240,15 +231,6 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   std::fill(params_up_.begin(), params_up_.end(), 0);
   std::fill(ema_up_.begin(), ema_up_.end(), 0);
   buckets_updated_.store(0, std::memory_order_relaxed);
-  // The next backward releases the buckets as the last one did: the update
-  // finishes them in that order. (Only a whole backward's record, each
-  // bucket once; a partial one, or none, leaves the order as it was.)
-  if (released_order_.size() == update_order_.size()) {
-    std::vector<char> seen(update_order_.size(), 0);
-    bool permutation = true;
-    for (std::size_t b : released_order_) permutation = permutation && b < seen.size() && !std::exchange(seen[b], 1);
-    if (permutation) update_order_ = released_order_;
-  }
   // The thread waits for the copies queued so far; this update's own sends
   // collect in master_sent_ from now on.
   ZERO_ASSERT(sent_before_update_.empty(), "the last update's copy events were not released");
@@ -258,18 +240,16 @@ void DelayedOffloadUpdater::start(const UpdateArgs& args) {
   // at the join, on this thread).
   // And of the events of the master's last copies up (uploads_master): a
   // slice is rewritten only once its copy is done.
-  thread_ = std::thread([this, args, grads, copy, first_ema, order = update_order_, downloaded = grad_downloaded_,
-                         sent = sent_before_update_] {
+  thread_ = std::thread([this, args, grads, copy, first_ema, downloaded = grad_downloaded_, sent = sent_before_update_] {
     const auto start = std::chrono::steady_clock::now();
     try {
       omp_set_num_threads(host_team_threads(m_.options.offload.update_threads));
       if (first_ema) m_.backend.host_copy(m_.ema, m_.master, m_.layout.shard_numel() * 4);
-      for (std::size_t k = 0; k < order.size(); ++k) {
-        const std::size_t b = order[k];
+      for (std::size_t b = 0; b < m_.layout.buckets().size(); ++b) {
         if (downloaded[b]) m_.backend.wait_event(downloaded[b]);  // bucket b's gradients have landed
         if (sent[b]) m_.backend.wait_event(sent[b]);              // its master slice went up
         update_bucket(b, args, grads, copy, true);  // the EMA from cache, right behind each slice
-        buckets_updated_.store(k + 1, std::memory_order_release);  // may go up during backward
+        buckets_updated_.store(b + 1, std::memory_order_release);  // may go up during backward
       }
     } catch (...) {
       error_ = std::current_exception();

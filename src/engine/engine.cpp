@@ -135,9 +135,6 @@ std::vector<Engine::Impl::Segment> Engine::Impl::segments_of(std::size_t lo, std
 Engine::Impl::~Impl() {
   host_worker.reset();  // stops its jobs before the host shards they read and write go
   updater.reset();  // joins a delayed update before the state it writes goes
-  for (Pending& entry : pending)
-    for (Event e : {entry.scratch_free, entry.bucket_free})
-      if (e) backend.release_event(e);
   pending.clear();  // Work destructors wait
   param_gathers.clear();
   unit_work.clear();
@@ -594,8 +591,6 @@ MemoryByCategory Engine::host_memory() const {
 }
 
 int Engine::steps_before_steady() const { return impl_->updater->steps_before_steady(); }
-
-std::vector<std::size_t> Engine::cpu_update_order() const { return impl_->updater->cpu_update_order(); }
 
 TransientMemory Engine::transient_memory() const {
   const detail::TransientUse now = impl_->pool.transient_now(), peak = impl_->pool.transient_peak();

@@ -96,12 +96,6 @@ struct Engine::Impl {
     WorkPtr work;
     void* scratch = nullptr;  // reduced values still to be added to the accumulator (or copied down)
     std::size_t scratch_bytes = 0;
-    // Streamed offload with the copy down queued at issue_reduce
-    // (downloads_at_issue): the events after that copy that the scratch and
-    // the bucket buffer go back to the pool with at complete(); their next
-    // users wait for this copy, not for the copies of the buckets reduced since.
-    Event scratch_free = nullptr;
-    Event bucket_free = nullptr;
   };
   // Gradient downloads (plan.streams_grads_to_host): the event of each
   // bucket's copy to host memory. The device block it reads goes back to the
@@ -148,14 +142,6 @@ struct Engine::Impl {
 
   void issue_reduce(std::size_t b);
   void complete(Pending& entry);
-  /// Streamed offload: the reduced bucket's copy to host memory on the comm
-  /// stream, and the host worker's jobs that wait for it.
-  void queue_download(Pending& entry);
-  /// Whether issue_reduce queues the copy down itself: nothing to wait for on
-  /// the host before it (no collective, or one ordered on the comm stream).
-  /// The same answer at complete(), within the same micro-step: complete()
-  /// queues the copy where this says no.
-  bool downloads_at_issue(const Pending& entry) const;
   /// Every reduction and download done; the compute stream ordered after them.
   void complete_all();
   /// Every host job done (host_worker): the host gradient shard is whole,

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <utility>
 
 #include "updaters.hpp"
@@ -202,12 +201,6 @@ void OffloadUpdater::update_now(const UpdateArgs& args) {
     throw;
   }
   finish_uploads();
-}
-
-std::vector<std::size_t> OffloadUpdater::cpu_update_order() const {
-  std::vector<std::size_t> order(m_.layout.buckets().size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  return order;
 }
 
 void OffloadUpdater::parameters_from_master() {

@@ -47,18 +47,6 @@ void Engine::Impl::issue_reduce(std::size_t b) {
     }
   }
   pending.push_back(std::move(entry));
-  // The copy down queues now, behind the reduction: the bucket's blocks go
-  // back to the pool reductions_in_flight buckets later (complete), and the
-  // next bucket that takes one waits on the device for this copy only. Queued
-  // at complete() instead, the copy came right before that give-back, and
-  // each bucket of backward waited for the last one's copy (~1 ms a bucket
-  // of SDXL on an H100: 60 gaps on the compute stream, 0.06 s a step).
-  if (downloads_at_issue(pending.back())) {
-    Pending& queued = pending.back();
-    queue_download(queued);
-    if (queued.scratch) queued.scratch_free = backend.record_event(backend.comm_stream());
-    if (!plan.full_grads && bucket_buffer[b]) queued.bucket_free = backend.record_event(backend.comm_stream());
-  }
   // The step's last backward reads this bucket's parameters no more: the
   // delayed update may send its new ones up now.
   if (micro_step + 1 == options.accumulation_steps) updater->on_bucket_released(b);
@@ -70,61 +58,47 @@ void Engine::Impl::issue_reduce(std::size_t b) {
   }
 }
 
-bool Engine::Impl::downloads_at_issue(const Pending& entry) const {
-  if (!plan.streams_grads_to_host || capturing) return false;
-  // Added into the host shard from staging: the worker's last addition must
-  // have read the slice first, a host wait that stays in complete().
-  if (plan.accumulates_on_host && micro_step > 0) return false;
-  if (!entry.work) return true;  // one rank: nothing reduced
-  return comm.memory_kind() == MemoryKind::device && (!replica_comm || replica_comm->memory_kind() == MemoryKind::device);
-}
-
-void Engine::Impl::queue_download(Pending& entry) {
-  const Bucket& bucket = layout.buckets()[entry.bucket];
-  const bool add_from_staging = plan.accumulates_on_host && micro_step > 0;
-  const bool last_of_step = micro_step + 1 == options.accumulation_steps;
-  // Where the reduced slice is: scratch; the full buffer (in place, or one
-  // rank's slice at stage 1); one rank: the bucket buffer itself.
-  const void* reduced = entry.scratch                ? entry.scratch
-                        : plan.reduces_in_place()    ? static_cast<const void*>(reduced_grad(entry.bucket))
-                        : plan.full_grads            ? grads_full + bucket.offset * g_size
-                                                     : bucket_buffer[entry.bucket];
-  const std::size_t at = bucket.shard_offset * g_size;
-  std::byte* host = (add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) + at;
-  // The last micro-step's addition must have read this staging slice.
-  if (add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
-  copy_to_host(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
-  const Event copied = backend.record_event(backend.comm_stream());
-  download_events.push_back(copied);
-  // The worker waits for the copy, then adds the staged slice into the
-  // host shard (accumulating on the host) and, at the step's last
-  // micro-step, sums the bucket's whole gradient of the step.
-  if (add_from_staging)
-    staging_add[entry.bucket] =
-        host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size,
-                         copied);
-  if (last_of_step) {
-    host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[entry.bucket], copied);
-    bucket_stats_queued[entry.bucket] = 1;
-  }
-}
-
 void Engine::Impl::complete(Pending& entry) {
   if (entry.work) wait_for_collective(*entry.work);
   const Bucket& bucket = layout.buckets()[entry.bucket];
-  // A block goes back after its last use: the event recorded after the copy
-  // that read it, else the comm stream as it stands.
-  const auto give_back = [&](void* block, std::size_t bytes, Event& after_copy) {
-    if (after_copy) pool.give_back_after(kBuffers, block, bytes, std::exchange(after_copy, nullptr));
-    else pool.give_back(kBuffers, block, bytes, backend.comm_stream());
-  };
   if (plan.streams_grads_to_host) {
-    // The reduced slice goes down now (unless it went at issue_reduce),
-    // overlapping the rest of backward.
-    if (!downloads_at_issue(entry)) queue_download(entry);
+    // The reduced slice goes down now, overlapping the rest of backward.
+    const bool add_from_staging = plan.accumulates_on_host && micro_step > 0;
+    const bool last_of_step = micro_step + 1 == options.accumulation_steps;
+    std::byte* scratch = static_cast<std::byte*>(entry.scratch);
+    std::size_t scratch_bytes = entry.scratch_bytes;
+    const void* reduced = entry.scratch;
+    if (!entry.scratch && plan.reduces_in_place()) {
+      reduced = reduced_grad(entry.bucket);
+    } else if (!entry.scratch && plan.full_grads) {  // one rank, stage 1: the slice of the full buffer
+      reduced = grads_full + bucket.offset * g_size;
+    } else if (!entry.scratch) {  // one rank: the bucket buffer itself
+      scratch = bucket_buffer[entry.bucket];
+      scratch_bytes = bucket.padded * g_size;
+      bucket_buffer[entry.bucket] = nullptr;
+      reduced = scratch;
+    }
+    const std::size_t at = bucket.shard_offset * g_size;
+    std::byte* host = (add_from_staging ? updater->host_gradient_staging() : updater->host_gradients()) + at;
+    // The last micro-step's addition must have read this staging slice.
+    if (add_from_staging) host_worker->wait(std::exchange(staging_add[entry.bucket], 0));
+    copy_to_host(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
+    const Event copied = backend.record_event(backend.comm_stream());
+    download_events.push_back(copied);
     // Its next user waits on the device for the copy, not this thread.
-    if (entry.scratch) give_back(entry.scratch, entry.scratch_bytes, entry.scratch_free);
+    if (scratch) pool.give_back(kBuffers, scratch, scratch_bytes, backend.comm_stream());
     entry.scratch = nullptr;
+    // The worker waits for the copy, then adds the staged slice into the
+    // host shard (accumulating on the host) and, at the step's last
+    // micro-step, sums the bucket's whole gradient of the step.
+    if (add_from_staging)
+      staging_add[entry.bucket] =
+          host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size,
+                           copied);
+    if (last_of_step) {
+      host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[entry.bucket], copied);
+      bucket_stats_queued[entry.bucket] = 1;
+    }
   }
   if (entry.scratch) {
     backend.accumulate(grad_shard + bucket.shard_offset * g_size, entry.scratch, gdt, bucket.shard_size,
@@ -132,7 +106,7 @@ void Engine::Impl::complete(Pending& entry) {
     pool.give_back(kBuffers, entry.scratch, entry.scratch_bytes, backend.comm_stream());
   }
   if (!plan.full_grads && bucket_buffer[entry.bucket]) {
-    give_back(bucket_buffer[entry.bucket], bucket.padded * g_size, entry.bucket_free);
+    pool.give_back(kBuffers, bucket_buffer[entry.bucket], bucket.padded * g_size, backend.comm_stream());
     bucket_buffer[entry.bucket] = nullptr;
   }
 }

@@ -60,8 +60,6 @@ class Updater {
   virtual void on_backward_done() {}
   /// Engine::steps_before_steady: the first step makes the working set.
   virtual int steps_before_steady() const { return 1; }
-  /// Engine::cpu_update_order: empty where no CPU update runs.
-  virtual std::vector<std::size_t> cpu_update_order() const { return {}; }
   /// Where streamed gradients land: the host gradient shard (offload), null otherwise.
   virtual std::byte* host_gradients() { return nullptr; }
   /// Where the micro-steps after the first land before the CPU adds them

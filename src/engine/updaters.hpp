@@ -36,7 +36,6 @@ class OffloadUpdater : public Updater {
   std::byte* host_gradients() override { return grad_host_; }
   std::byte* host_gradient_staging() override { return grad_staging_; }
   void parameters_from_master() override;
-  std::vector<std::size_t> cpu_update_order() const override;
 
  protected:
   void initialize_ema();
@@ -106,7 +105,6 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   /// background update, and the one whose backward first sends an update up
   /// (taking the staging block it keeps from then on).
   int steps_before_steady() const override { return m_.options.offload.delayed_update_warmup_steps + 2; }
-  std::vector<std::size_t> cpu_update_order() const override { return update_order_; }
 
  private:
   /// Starts the CPU update of this step's gradients on a background thread;
@@ -140,16 +138,7 @@ class DelayedOffloadUpdater final : public OffloadUpdater {
   double pending_ema_decay_ = 0;  // plan.uploads_master: the decay the device's EMA still owes that update
   // offload.upload_during_backward (stages 1-2, parameters on the device).
   bool sends_during_backward_ = false;
-  std::atomic<std::size_t> buckets_updated_{0};  // the running update has finished update_order_[0, this)
-  // The buckets in the order the update takes them: bucket order, or (sends
-  // during backward) the last complete backward's release order, which the
-  // next backward repeats. In bucket order the first bucket the update
-  // finished was the last that backward released (the model's first), so
-  // nothing could go up until the two orders crossed mid-backward, and the
-  // whole upload then queued behind it: ~0.25 s of copies from there on,
-  // past the end of backward.
-  std::vector<std::size_t> update_order_;
-  std::vector<std::size_t> released_order_;  // this backward's releases so far
+  std::atomic<std::size_t> buckets_updated_{0};  // the running update has finished buckets [0, this)
   // Per bucket, for the pending update: backward released it (this step's
   // last micro-step); its parameters went up; its EMA was updated on the device.
   std::vector<char> released_, params_up_, ema_up_;

@@ -11,9 +11,6 @@
 // (Kineto trace, H100, 2026-12-05).
 #include <doctest/doctest.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -130,86 +127,4 @@ TEST_CASE("transient blocks: a step waits a bounded number of times, whatever th
   CHECK(calls_of(backend).deallocations - after_first.deallocations >= 2 * varied_units().size());
   CHECK(r.block_frees == calls_of(backend).deallocations - after_first.deallocations);
   CHECK(calls_of(backend).synchronizations - after_first.synchronizations >= 4 * varied_units().size());
-}
-
-namespace {
-
-// The CountingBackend with three streams of its own and a log of what is
-// queued on them: copies (and their source), events recorded and waited for,
-// zero fills.
-class StreamLogBackend final : public zero::CountingBackend {
- public:
-  struct Op {
-    enum Kind { copy, record, wait, fill } kind;
-    zero::Stream stream;
-    const void* block;    // copy: the source; fill: the block zeroed
-    std::uintptr_t event;  // record, wait
-  };
-  zero::Stream compute_stream() const override { return stream_id(1); }
-  zero::Stream comm_stream() const override { return stream_id(2); }
-  zero::Stream transfer_stream() const override { return stream_id(3); }
-  zero::Event record_event(zero::Stream s) override {
-    ops.push_back({Op::record, s, nullptr, ++events_});
-    return reinterpret_cast<zero::Event>(events_);
-  }
-  void stream_wait(zero::Stream s, zero::Event e) override {
-    ops.push_back({Op::wait, s, nullptr, reinterpret_cast<std::uintptr_t>(e)});
-  }
-  void copy(void*, const void* src, std::size_t, zero::Stream s) override { ops.push_back({Op::copy, s, src, 0}); }
-  void fill_zero(void* p, std::size_t, zero::Stream s) override { ops.push_back({Op::fill, s, p, 0}); }
-  std::vector<Op> ops;
-
- private:
-  static zero::Stream stream_id(std::uintptr_t id) { return reinterpret_cast<zero::Stream>(id); }
-  std::uintptr_t events_ = 0;
-};
-
-}  // namespace
-
-// The offloaded backward on an H100 waited ~1 ms a bucket (60 gaps a step):
-// a bucket's copy down was queued right before its buffer went back to the
-// pool, and the next bucket took that buffer at once, its zero fill waiting
-// for that copy. Now the copy queues when the bucket is reduced and the
-// buffer goes back reductions_in_flight buckets later with the event after
-// its own copy: the zero fill that reuses a buffer waits for a copy that
-// other buckets' copies have followed since.
-TEST_CASE("transient blocks: a reused gradient buffer waits for its own download, not for the latest one") {
-  for (const int in_flight : {1, 2}) {
-    CAPTURE(in_flight);
-    zero::EngineOptions o;
-    o.stage = 2;
-    o.buckets.alignment_elements = 64;
-    o.buckets.max_reductions_in_flight = in_flight;
-    o.offload = {.optimizer = true};
-    StreamLogBackend backend;
-    zero::SimulatedCommunicator comm(1);
-    Engine engine(varied_units(), o, comm, backend);
-    zero::run_model_steps(engine, 2);
-    backend.ops.clear();
-    zero::run_model_steps(engine, 1);
-    const auto& ops = backend.ops;
-    const zero::Stream compute = backend.compute_stream(), comm_stream = backend.comm_stream();
-    std::size_t reuses = 0;
-    for (std::size_t i = 0; i + 1 < ops.size(); ++i) {
-      // A block's reuse: the compute stream waits for an event, then zeroes the block.
-      if (ops[i].kind != StreamLogBackend::Op::wait || ops[i].stream != compute) continue;
-      if (ops[i + 1].kind != StreamLogBackend::Op::fill || ops[i + 1].stream != compute) continue;
-      const auto recorded = std::find_if(ops.begin(), ops.begin() + static_cast<std::ptrdiff_t>(i), [&](const auto& op) {
-        return op.kind == StreamLogBackend::Op::record && op.event == ops[i].event;
-      });
-      if (recorded == ops.begin() + static_cast<std::ptrdiff_t>(i)) continue;  // recorded in an earlier step
-      // The copy on the comm stream right before the event: the one that read this block.
-      auto last_copy = std::find_if(std::make_reverse_iterator(recorded), ops.rend(), [&](const auto& op) {
-        return op.kind == StreamLogBackend::Op::copy && op.stream == comm_stream;
-      });
-      if (last_copy == ops.rend() || last_copy->block != ops[i + 1].block) continue;  // not a gradient download
-      ++reuses;
-      // Other buckets' copies were queued after that one, before the wait.
-      const auto copies_since = std::count_if(recorded, ops.begin() + static_cast<std::ptrdiff_t>(i), [&](const auto& op) {
-        return op.kind == StreamLogBackend::Op::copy && op.stream == comm_stream;
-      });
-      CHECK(copies_since >= in_flight);
-    }
-    CHECK(reuses >= 5);  // 13 buckets a backward, one rank: most reuse a downloaded buffer
-  }
 }

@@ -12,7 +12,7 @@
 
 namespace zero {
 
-class CountingBackend : public Backend {
+class CountingBackend final : public Backend {
  public:
   MemoryKind memory_kind() const override { return MemoryKind::device; }
   std::string name() const override { return "counting"; }

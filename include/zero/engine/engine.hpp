@@ -335,11 +335,6 @@ class Engine {
   /// with the delayed update (its warm-up, then the step that starts the
   /// first background update and the one whose backward first sends one up).
   int steps_before_steady() const;
-  /// The order in which the CPU update takes the buckets (offload_optimizer;
-  /// empty without): with the delayed update sending during backward, the
-  /// order the last backward released them in, so that each slice is
-  /// finished about when backward lets it go up; otherwise bucket order.
-  std::vector<std::size_t> cpu_update_order() const;
 
  /// The engine's buffers and bookkeeping (src/engine/engine_impl.hpp): opaque
   /// here, shared by the engine's source files and its updaters.

@@ -196,16 +196,13 @@ void TrainConfig::validate() const {
   // With epochs the upper bounds wait for the dataset (validate_length again then).
   validate_length(epochs == 0 ? steps : std::numeric_limits<std::int64_t>::max());
   // Last: every key above is in range, so what the engine refuses is how the
-  // options combine. Its messages name the trainer's keys after the engine's
-  // struct ("EngineOptions.offload: "), which a config's reader does not know.
-  try {
-    engine_options(*this).validate();
-  } catch (const zero::InvalidArgument& e) {
-    std::string message = e.message();
-    const std::string engine_prefix = "EngineOptions.offload: ";
-    if (message.starts_with(engine_prefix)) message.erase(0, engine_prefix.size());
-    ZERO_THROW(zero::InvalidArgument, message);
-  }
+  // options combine. The offload rules are the engine's, in the trainer's key
+  // names (without the engine's "EngineOptions.offload: ", which a config's
+  // reader does not know); then the engine's other rules.
+  const zero::EngineOptions engine = engine_options(*this);
+  const std::string offload_conflict = engine.offload_conflict();
+  ZERO_CHECK(offload_conflict.empty(), offload_conflict);
+  engine.validate();
 }
 
 zero::EngineOptions engine_options(const TrainConfig& cfg) {

@@ -45,32 +45,8 @@ void EngineOptions::validate() const {
   ZERO_CHECK(max_consecutive_nonfinite >= 0, "EngineOptions.max_consecutive_nonfinite must be >= 0");
   ZERO_CHECK(shard_group_size >= 0, "EngineOptions.shard_group_size must be >= 0 (0: all ranks), got ",
              shard_group_size);
-  // The offload messages use the trainer's key names (offload_optimizer,
-  // offload_params, offload_delayed_update), which users know them by.
-  ZERO_CHECK(!offload.optimizer || stage >= 1,
-             "EngineOptions.offload: offload_optimizer needs stage 1, 2 or 3, got stage ", stage,
-             " (stage 0 keeps the whole optimizer on every rank)");
-  ZERO_CHECK(!offload.params || (stage == 3 && offload.optimizer),
-             "EngineOptions.offload: offload_params needs stage 3 with offload_optimizer, got stage ", stage,
-             offload.optimizer ? "" : " without offload_optimizer",
-             " (below stage 3 every rank keeps the full parameters on the device)");
-  // The delayed update works with any accumulation and with offload_params
-  // (DelayedOffloadUpdater double-buffers what the background update writes).
-  ZERO_CHECK(!offload.delayed_update || offload.optimizer,
-             "EngineOptions.offload: offload_delayed_update needs offload_optimizer (the delayed update is the "
-             "CPU optimizer's), got stage ", stage, " without offload_optimizer");
-  ZERO_CHECK(!offload.accumulate_on_host || offload.optimizer,
-             "EngineOptions.offload: offload_accumulate_on_host needs offload_optimizer (the host holds the "
-             "optimizer's gradient shard), got stage ", stage, " without offload_optimizer");
-  ZERO_CHECK(!offload.accumulate_on_host || accumulation != GradAccumulation::reduce_at_boundary,
-             "EngineOptions.offload: offload_accumulate_on_host adds each micro-step's reduced gradients on the "
-             "host; with accumulation_mode boundary the micro-steps accumulate on the device before the one "
-             "reduction (use accumulation_mode each)");
-  ZERO_CHECK(!offload.ema_on_device || (offload.optimizer && ema.enabled() && !offload.params),
-             "EngineOptions.offload: offload_ema_on_device needs offload_optimizer and an EMA, without "
-             "offload_params (got ", offload.optimizer ? "" : "no offload_optimizer, ",
-             ema.enabled() ? "" : "no EMA (ema_decay 0), ", offload.params ? "offload_params, " : "", "stage ", stage,
-             "): it keeps the EMA beside parameters that live on the device");
+  const std::string conflict = offload_conflict();
+  ZERO_CHECK(conflict.empty(), "EngineOptions.offload: ", conflict);
   ZERO_CHECK(offload.update_threads >= 0, "EngineOptions.offload.update_threads must be >= 0 (0: OpenMP's default less one), got ",
              offload.update_threads);
   ZERO_CHECK(offload.gradient_worker_threads >= 0,
@@ -97,6 +73,37 @@ void EngineOptions::validate() const {
                optimizer.state_slots(), "); give every group momentum > 0, or none");
   }
   if (effective_loss_scaling()) loss_scaler.validate();
+}
+
+std::string EngineOptions::offload_conflict() const {
+  using detail::concat;
+  // In the trainer's key names (offload_optimizer, offload_params,
+  // offload_delayed_update, ...), which users know the switches by.
+  if (offload.optimizer && stage < 1)
+    return concat("offload_optimizer needs stage 1, 2 or 3, got stage ", stage,
+                  " (stage 0 keeps the whole optimizer on every rank)");
+  if (offload.params && !(stage == 3 && offload.optimizer))
+    return concat("offload_params needs stage 3 with offload_optimizer, got stage ", stage,
+                  offload.optimizer ? "" : " without offload_optimizer",
+                  " (below stage 3 every rank keeps the full parameters on the device)");
+  // The delayed update works with any accumulation and with offload_params
+  // (DelayedOffloadUpdater double-buffers what the background update writes).
+  if (offload.delayed_update && !offload.optimizer)
+    return concat("offload_delayed_update needs offload_optimizer (the delayed update is the CPU optimizer's), "
+                  "got stage ", stage, " without offload_optimizer");
+  if (offload.accumulate_on_host && !offload.optimizer)
+    return concat("offload_accumulate_on_host needs offload_optimizer (the host holds the optimizer's gradient "
+                  "shard), got stage ", stage, " without offload_optimizer");
+  if (offload.accumulate_on_host && accumulation == GradAccumulation::reduce_at_boundary)
+    return "offload_accumulate_on_host adds each micro-step's reduced gradients on the host; with "
+           "accumulation_mode boundary the micro-steps accumulate on the device before the one reduction (use "
+           "accumulation_mode each)";
+  if (offload.ema_on_device && !(offload.optimizer && ema.enabled() && !offload.params))
+    return concat("offload_ema_on_device needs offload_optimizer and an EMA, without offload_params (got ",
+                  offload.optimizer ? "" : "no offload_optimizer, ", ema.enabled() ? "" : "no EMA (ema_decay 0), ",
+                  offload.params ? "offload_params, " : "", "stage ", stage,
+                  "): it keeps the EMA beside parameters that live on the device");
+  return {};
 }
 
 StagePlan StagePlan::of(const EngineOptions& o, int world_size) {

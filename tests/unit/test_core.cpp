@@ -247,3 +247,29 @@ TEST_CASE("engine options are validated with the option's name") {
   CHECK_THROWS_WITH_AS(parse_optimizer_kind("adam", "optimizer.kind"),
                        doctest::Contains("unknown optimizer 'adam'"), InvalidArgument);
 }
+
+TEST_CASE("the offload rules: validate() names the struct, offload_conflict() only the switches") {
+  EngineOptions o;
+  o.stage = 2;
+  o.offload.optimizer = true;
+  CHECK(o.offload_conflict().empty());
+  CHECK_NOTHROW(o.validate());
+  o.offload.params = true;  // below stage 3
+  const std::string conflict = o.offload_conflict();
+  CHECK(conflict.starts_with("offload_params needs stage 3 with offload_optimizer, got stage 2"));
+  const std::string message = "EngineOptions.offload: " + conflict;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains(message.c_str()), InvalidArgument);
+  o.stage = 3;
+  CHECK(o.offload_conflict().empty());
+  o.offload.ema_on_device = true;  // beside offloaded parameters, and no EMA
+  CHECK(o.offload_conflict().starts_with("offload_ema_on_device needs offload_optimizer and an EMA"));
+  CHECK(o.offload_conflict().find("no EMA (ema_decay 0), offload_params, stage 3") != std::string::npos);
+  o = {};
+  o.offload.delayed_update = true;  // without offload_optimizer
+  CHECK(o.offload_conflict().starts_with("offload_delayed_update needs offload_optimizer"));
+  o = {};
+  o.stage = 1;
+  o.offload.optimizer = o.offload.accumulate_on_host = true;
+  o.accumulation = GradAccumulation::reduce_at_boundary;
+  CHECK(o.offload_conflict().find("use accumulation_mode each") != std::string::npos);
+}

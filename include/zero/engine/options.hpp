@@ -219,6 +219,11 @@ struct EngineOptions {
   bool effective_loss_scaling() const { return loss_scaling.value_or(param_dtype == DType::fp16); }
   /// Throws zero::InvalidArgument naming the option and what was expected.
   void validate() const;
+  /// Why the offload switches cannot go with the rest of these options, in
+  /// the names users know them by (offload_optimizer, offload_params, ...);
+  /// empty when they can. validate() throws it after "EngineOptions.offload: ";
+  /// a trainer can throw it as it is, naming its own keys.
+  std::string offload_conflict() const;
 };
 
 }  // namespace zero

@@ -93,7 +93,7 @@ def analyze(path, gap_ms=0.5):
                      "h2d_gb": moved["h2d"] / 1e9, "d2h_gb": moved["d2h"] / 1e9,
                      "before": before["name"][:80] if before else "", "after": after["name"][:80] if after else ""})
     gaps.sort(key=lambda g: -g["ms"])
-    busy_us = union_length(busy)
+    busy_us = sum(end - start for start, end in busy)  # already disjoint
     return {
         "trace": path,
         "span_ms": (span1 - span0) / 1e3,

@@ -11,7 +11,9 @@
 #  ab:        on-device stage 2 at batch 8 once, then the offloaded run with
 #             this build (new), this build with the uploads at the step
 #             (atstep) and BASE_TREE's (base), alternated (ROUNDS, default 2;
-#             VARIANTS, default "new atstep base"; EXTRA: more trainer options).
+#             VARIANTS, default "new atstep base"; also grad1, upd12: this
+#             build with --offload_gradient_threads 1, --offload_update_threads
+#             12; EXTRA: more trainer options, for every variant).
 #  trace:     the offloaded run (this build) with a Kineto trace of step 10,
 #             where the compute stream waits and what the copies did meanwhile
 #             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py);
@@ -47,6 +49,10 @@ if has ab; then
       case $variant in
         new) offloaded "sdxl-offload-emadevice-new-r$round" "$BUILD" ;;
         atstep) offloaded "sdxl-offload-emadevice-atstep-r$round" "$BUILD" --offload_upload_during_backward false ;;
+        # Session 31's probes of the host-bound step: the gradient worker's
+        # team at one thread, the update's below the cores less one.
+        grad1) offloaded "sdxl-offload-emadevice-grad1-r$round" "$BUILD" --offload_gradient_threads 1 ;;
+        upd12) offloaded "sdxl-offload-emadevice-upd12-r$round" "$BUILD" --offload_update_threads 12 ;;
         base) offloaded "sdxl-offload-emadevice-base-r$round" "${base:?set BASE_TREE for the base variant}/build/cuda" ;;
       esac
     done

@@ -15,35 +15,24 @@ copied host-to-device on the stream that copied the most, cumulated over time.
 import argparse
 import collections
 import json
-import sys
+
+from stream_timeline import device_activities, read_events  # the same reading of the trace's GPU side
 
 WAITS = {"cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMalloc", "cudaFree"}
 FEW_CALLS = 200  # below this a thread is listed by its calls' times, not its waits
 
 
-def stream_of(event):
-    return event.get("args", {}).get("stream", event.get("tid"))
-
-
 def analyze(path, min_ms=1.5, every=6):
-    try:
-        with open(path) as f:
-            trace = json.load(f)
-        events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "ts" in e]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"{path}: not a Kineto trace ({error})")
-    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
-    if not device and not runtime:
-        raise SystemExit(f"{path}: no GPU activity and no CUDA runtime calls in the trace")
-    t0 = min(e["ts"] for e in events)
+    events = [e for e in read_events(path) if isinstance(e, dict)]
+    device = device_activities(path, events)  # exits naming the file when there is no kernel
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    t0 = min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
     ms = lambda ts: (ts - t0) / 1000.0
     result = {"streams": {}, "threads": [], "uploads": None}
-    for stream in sorted({stream_of(e) for e in device}, key=str):
-        on = [e for e in device if stream_of(e) == stream]
-        result["streams"][str(stream)] = {"first_ms": ms(min(e["ts"] for e in on)),
-                                          "last_end_ms": ms(max(e["ts"] + e["dur"] for e in on)),
-                                          "activities": len(on)}
+    for stream in sorted({a["stream"] for a in device}, key=str):
+        on = [a for a in device if a["stream"] == stream]
+        result["streams"][str(stream)] = {"first_ms": ms(min(a["start"] for a in on)),
+                                          "last_end_ms": ms(max(a["end"] for a in on)), "activities": len(on)}
     for tid, count in collections.Counter(e["tid"] for e in runtime).most_common():
         calls = sorted((e for e in runtime if e["tid"] == tid), key=lambda e: e["ts"])
         thread = {"tid": tid, "calls": count, "first_ms": ms(calls[0]["ts"]),
@@ -54,16 +43,16 @@ def analyze(path, min_ms=1.5, every=6):
             thread["waits"] = [{"name": e["name"], "at_ms": ms(e["ts"]), "ms": e["dur"] / 1000.0}
                                for e in calls if e["name"] in WAITS and e["dur"] >= min_ms * 1000]
         result["threads"].append(thread)
-    uploads = [e for e in device if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    uploads = [a for a in device if a["kind"] == "h2d"]
     if uploads:
         by_stream = collections.Counter()
-        for e in uploads:
-            by_stream[stream_of(e)] += e.get("args", {}).get("bytes", 0)
+        for a in uploads:
+            by_stream[a["stream"]] += a["bytes"]
         stream = by_stream.most_common(1)[0][0]
-        done, marks = 0, []
-        for e in sorted((e for e in uploads if stream_of(e) == stream), key=lambda e: e["ts"]):
-            done += e.get("args", {}).get("bytes", 0)
-            marks.append([ms(e["ts"] + e["dur"]), done / 1e9])
+        done, marks = 0.0, []
+        for a in sorted((a for a in uploads if a["stream"] == stream), key=lambda a: a["start"]):
+            done += a["bytes"]
+            marks.append([ms(a["end"]), done / 1e9])
         result["uploads"] = {"stream": str(stream), "done_gb": marks}
     return result
 

@@ -19,7 +19,8 @@ import sys
 from kernel_summary import merged, union_length  # the same interval union as the kernel summary
 
 
-def load_activities(path):
+def read_events(path):
+    """The trace's events (a JSON list, or an object's 'traceEvents'); exits naming the file if unreadable."""
     try:
         with open(path) as f:
             trace = json.load(f)
@@ -28,6 +29,11 @@ def load_activities(path):
     events = trace["traceEvents"] if isinstance(trace, dict) and "traceEvents" in trace else trace
     if not isinstance(events, list):
         sys.exit(f"{path}: expected a JSON list of events or an object with 'traceEvents'")
+    return events
+
+
+def device_activities(path, events):
+    """The GPU's kernels, copies (h2d, d2h, copy) and fills among `events`; exits if there is no kernel."""
     acts = []
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
@@ -53,6 +59,10 @@ def load_activities(path):
     if not any(a["kind"] == "kernel" for a in acts):
         sys.exit(f"{path}: no GPU kernels in the trace (was it a CUDA run with --profile_step?)")
     return acts
+
+
+def load_activities(path):
+    return device_activities(path, read_events(path))
 
 
 def overlap(a0, a1, b0, b1):

@@ -229,6 +229,7 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.offload.accumulate_on_host = cfg.offload_accumulate_on_host;
   options.offload.ema_on_device = cfg.offload_ema_on_device;
   options.offload.upload_during_backward = cfg.offload_upload_during_backward;
+  options.offload.gradient_stats_on_device = cfg.offload_gradient_stats_on_device;
   options.offload.delayed_update_warmup_steps = static_cast<int>(cfg.delayed_update_warmup);
   options.offload.update_threads = static_cast<int>(cfg.offload_update_threads);
   options.offload.gradient_worker_threads = static_cast<int>(cfg.offload_gradient_threads);

@@ -196,6 +196,16 @@ class CudaBackend final : public Backend {
     return stats_.run(spans, span_count, dtype, stream);
   }
 
+  void queue_grad_stats(const Span& span, DType dtype, std::size_t slot, Stream stream) override {
+    DeviceGuard guard(device_);
+    stats_.queue(span, dtype, slot, stream);
+  }
+
+  void read_grad_stats(GradStats* out, std::size_t count, Stream stream) override {
+    DeviceGuard guard(device_);
+    stats_.read_slots(out, count, stream);
+  }
+
  private:
   void settle_streams() {
     ZERO_CHECK_CUDA(cudaStreamSynchronize(compute_));

@@ -41,12 +41,10 @@ __device__ __forceinline__ double chunk_squares(const float (&x)[kChunk], unsign
   return exact;
 }
 
+// One block's share of span blockIdx.y (partials indexed by the whole grid),
+// and the grid's total into *result by the last block to finish.
 template <typename T>
-__global__ void __launch_bounds__(kStatsThreads) grad_stats_kernel(const SpanEntry* spans,
-                                                                  std::size_t span_count,
-                                                                  double* partials,
-                                                                  StatsResult* result) {
-  const SpanEntry span = spans[blockIdx.y];
+__device__ __forceinline__ void stats_of_span(const SpanEntry span, double* partials, StatsResult* result) {
   const T* data = static_cast<const T*>(span.data);
   const std::size_t thread = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -108,7 +106,20 @@ __global__ void __launch_bounds__(kStatsThreads) grad_stats_kernel(const SpanEnt
     result->sum_squares += total;  // += : launches for more than 65,535 spans add up
     result->blocks_done = 0u;      // ready for the next launch on this scratch
   }
-  (void)span_count;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kStatsThreads) grad_stats_kernel(const SpanEntry* spans, double* partials,
+                                                                  StatsResult* result) {
+  stats_of_span<T>(spans[blockIdx.y], partials, result);
+}
+
+// One span, passed by value (no table to upload: queue() launches without a
+// host wait).
+template <typename T>
+__global__ void __launch_bounds__(kStatsThreads) grad_stats_span_kernel(SpanEntry span, double* partials,
+                                                                       StatsResult* result) {
+  stats_of_span<T>(span, partials, result);
 }
 }  // namespace
 
@@ -120,6 +131,8 @@ GradStatsReducer::~GradStatsReducer() {
   // Destructors must not throw; a failure here only leaks.
   if (device_scratch_ != nullptr) (void)cudaFree(device_scratch_);
   if (host_pinned_ != nullptr) (void)cudaFreeHost(host_pinned_);
+  if (slot_scratch_ != nullptr) (void)cudaFree(slot_scratch_);
+  if (slot_host_ != nullptr) (void)cudaFreeHost(slot_host_);
 }
 
 namespace {
@@ -156,6 +169,74 @@ void GradStatsReducer::reserve(std::size_t partial_count, std::size_t span_count
     host_pinned_ = nullptr;
     ZERO_CHECK_CUDA(cudaHostAlloc(&host_pinned_, host_bytes, cudaHostAllocDefault));
     host_pinned_bytes_ = host_bytes;
+  }
+}
+
+namespace {
+// queue()'s grid: blocks for one span, at most about 8 per SM.
+std::size_t slot_blocks(std::size_t count) {
+  const std::size_t wanted = (count + kStatsThreads * kChunk - 1) / (kStatsThreads * kChunk);
+  return std::max<std::size_t>(1, std::min(wanted, static_cast<std::size_t>(sm_count()) * 8));
+}
+// Slot scratch layout: [double x partials][StatsResult x slots].
+std::size_t slot_partials() { return static_cast<std::size_t>(sm_count()) * 8; }
+std::size_t slots_offset() { return align_up(slot_partials() * sizeof(double), 256); }
+}  // namespace
+
+void GradStatsReducer::reserve_slots(std::size_t count) {
+  if (count <= slot_capacity_) return;
+  const std::size_t capacity = std::max<std::size_t>({count, 2 * slot_capacity_, 64});
+  void* fresh = nullptr;
+  ZERO_CHECK_CUDA(cudaMalloc(&fresh, slots_offset() + capacity * sizeof(StatsResult)));
+  auto* fresh_slots = reinterpret_cast<StatsResult*>(static_cast<unsigned char*>(fresh) + slots_offset());
+  // blocks_done must start at zero; the kernel resets it after each launch.
+  ZERO_CHECK_CUDA(cudaMemset(fresh_slots, 0, capacity * sizeof(StatsResult)));
+  if (slot_scratch_ != nullptr) {
+    // Queued launches may still write the old slots: keep what they wrote.
+    ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+    ZERO_CHECK_CUDA(cudaMemcpy(fresh_slots, static_cast<unsigned char*>(slot_scratch_) + slots_offset(),
+                               slot_capacity_ * sizeof(StatsResult), cudaMemcpyDeviceToDevice));
+    ZERO_CHECK_CUDA(cudaFree(slot_scratch_));
+  }
+  slot_scratch_ = fresh;
+  void* host = nullptr;
+  ZERO_CHECK_CUDA(cudaHostAlloc(&host, capacity * sizeof(StatsResult), cudaHostAllocDefault));
+  if (slot_host_ != nullptr) ZERO_CHECK_CUDA(cudaFreeHost(slot_host_));
+  slot_host_ = host;
+  slot_capacity_ = capacity;
+}
+
+void GradStatsReducer::queue(const Backend::Span& span, DType dtype, std::size_t slot, Stream stream) {
+  check_dtype(dtype, "grad_stats: dtype");
+  ZERO_CHECK(span.count == 0 || span.data != nullptr, "grad_stats: a span of ", span.count,
+             " elements has no data");
+  reserve_slots(slot + 1);
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  auto* bytes = static_cast<unsigned char*>(slot_scratch_);
+  auto* partials = reinterpret_cast<double*>(bytes);
+  auto* result = reinterpret_cast<StatsResult*>(bytes + slots_offset()) + slot;
+  ZERO_CHECK_CUDA(cudaMemsetAsync(result, 0, offsetof(StatsResult, blocks_done), cuda_stream));
+  if (span.count == 0) return;
+  with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const SpanEntry entry{span.data, span.count, vector_head({{span.data, sizeof(T)}}, span.count)};
+    grad_stats_span_kernel<T><<<static_cast<unsigned>(slot_blocks(span.count)), kStatsThreads, 0, cuda_stream>>>(
+        entry, partials, result);
+    ZERO_CHECK_LAUNCH();
+  });
+}
+
+void GradStatsReducer::read_slots(GradStats* out, std::size_t count, Stream stream) {
+  if (count == 0) return;
+  ZERO_CHECK(count <= slot_capacity_, "grad_stats: ", count, " slots read, ", slot_capacity_, " queued at most");
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  ZERO_CHECK_CUDA(cudaMemcpyAsync(slot_host_, static_cast<unsigned char*>(slot_scratch_) + slots_offset(),
+                                  count * sizeof(StatsResult), cudaMemcpyDeviceToHost, cuda_stream));
+  ZERO_CHECK_CUDA(cudaStreamSynchronize(cuda_stream));
+  const auto* results = static_cast<const StatsResult*>(slot_host_);
+  for (std::size_t i = 0; i < count; ++i) {
+    out[i].sum_squares = results[i].sum_squares;
+    out[i].nonfinite = results[i].nonfinite != 0u;
   }
 }
 
@@ -206,7 +287,7 @@ GradStats GradStatsReducer::run(const Backend::Span* spans, std::size_t span_cou
       ZERO_CHECK_CUDA(cudaMemcpyAsync(table, host_table, n * sizeof(SpanEntry),
                                       cudaMemcpyHostToDevice, cuda_stream));
       const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(n));
-      grad_stats_kernel<T><<<grid, kStatsThreads, 0, cuda_stream>>>(table, n, partials, result);
+      grad_stats_kernel<T><<<grid, kStatsThreads, 0, cuda_stream>>>(table, partials, result);
       ZERO_CHECK_LAUNCH();
     }
   });

@@ -548,7 +548,10 @@ GradStats Engine::local_grad_stats(StepResult& result) {
     // step landed, beside backward (the last finish_micro_step waited for
     // them; reset_gradients clears the flags); here they are added in bucket
     // order, as the whole shard's would be.
+    // With the statistics summed on the device, they come back in one copy.
     const auto start = std::chrono::steady_clock::now();
+    if (m.plan.grad_stats_on_device_before_download)
+      m.backend.read_grad_stats(m.bucket_stats.data(), buckets.size(), m.backend.comm_stream());
     GradStats local;
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       ZERO_ASSERT(m.bucket_stats_queued[b], "bucket ", b, "'s gradient statistics were not queued this step");

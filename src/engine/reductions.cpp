@@ -85,6 +85,13 @@ void Engine::Impl::complete(Pending& entry) {
     copy_to_host(host, reduced, bucket.shard_size * g_size, backend.comm_stream());
     const Event copied = backend.record_event(backend.comm_stream());
     download_events.push_back(copied);
+    // Summed on the device while it goes down (after the copy's event, which
+    // the host worker waits for), before the scratch is given back.
+    const bool stats_on_device = last_of_step && plan.grad_stats_on_device_before_download;
+    if (stats_on_device) {
+      backend.queue_grad_stats({reduced, bucket.shard_size}, gdt, entry.bucket, backend.comm_stream());
+      bucket_stats_queued[entry.bucket] = 1;
+    }
     // Its next user waits on the device for the copy, not this thread.
     if (scratch) pool.give_back(kBuffers, scratch, scratch_bytes, backend.comm_stream());
     entry.scratch = nullptr;
@@ -95,7 +102,7 @@ void Engine::Impl::complete(Pending& entry) {
       staging_add[entry.bucket] =
           host_worker->add(updater->host_gradients() + at, updater->host_gradient_staging() + at, bucket.shard_size,
                            copied);
-    if (last_of_step) {
+    if (last_of_step && !stats_on_device) {
       host_worker->stats(updater->host_gradients() + at, bucket.shard_size, &bucket_stats[entry.bucket], copied);
       bucket_stats_queued[entry.bucket] = 1;
     }

@@ -113,6 +113,19 @@ TEST_CASE("offloaded optimizer and parameters on the GPU") {
       CHECK(bitwise_equal(kept.master, off.back().master));
       CHECK(bitwise_equal(kept.model, off.back().model));
       CHECK(max_relative_error(kept.ema, off.back().ema) <= 1e-6);
+      // The statistics summed on the GPU as each slice goes down
+      // (offload.gradient_stats_on_device): only the norms' last bits may
+      // move (the device sums a bucket in another order than the CPU), and
+      // no config here clips on a streamed step, so the weights stay the same.
+      Config summed_on_device = offloaded;
+      summed_on_device.grad_stats_on_device = true;
+      const Trained summed = train_sharded(summed_on_device, stage, *device_comm, *device_backend);
+      CHECK(bitwise_equal(summed.master, off.back().master));
+      CHECK(bitwise_equal(summed.model, off.back().model));
+      CHECK(bitwise_equal(summed.ema, off.back().ema));
+      REQUIRE(summed.norms.size() == off.back().norms.size());
+      for (std::size_t s = 0; s < summed.norms.size(); ++s)
+        CHECK(summed.norms[s] == doctest::Approx(off.back().norms[s]).epsilon(1e-12));
       if (own_gpu) {
         CHECK(off.back().norms == off.front().norms);
       } else {

@@ -105,6 +105,7 @@ struct Config {
   bool offload_params = false;  // EngineOptions::offload_params (stage 3)
   bool accumulate_on_host = false;  // EngineOptions::offload.accumulate_on_host
   bool ema_on_device = false;  // EngineOptions::offload.ema_on_device
+  bool grad_stats_on_device = false;  // EngineOptions::offload.gradient_stats_on_device
   double ema_decay = 0;
   /// Parameter groups (EngineOptions::param_groups) and each parameter's
   /// group, in mlp_units() order; empty: one group.
@@ -145,6 +146,7 @@ inline EngineOptions engine_options(const Config& c, int stage) {
   o.offload.params = c.offload_params;
   o.offload.accumulate_on_host = c.accumulate_on_host;
   o.offload.ema_on_device = c.ema_on_device;
+  o.offload.gradient_stats_on_device = c.grad_stats_on_device;
   o.ema.decay = c.ema_decay;
   o.param_groups = c.groups;
   o.shard_group_size = c.shard_group_size;

@@ -5,6 +5,7 @@
 // stated tolerance, and stages 0..3 are bitwise identical to each other.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -311,6 +312,12 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       Config ema_on_device = offloaded;
       ema_on_device.ema_on_device = true;
       check_bitwise_same_training(train_sharded(ema_on_device, stage, comm, *backend), on_device);
+      // The statistics summed on the device as each slice goes down (no
+      // effect where the gradients do not stream: several micro-steps
+      // accumulated on the device).
+      Config summed_on_device = offloaded;
+      summed_on_device.grad_stats_on_device = true;
+      check_bitwise_same_training(train_sharded(summed_on_device, stage, comm, *backend), on_device);
       // Several micro-steps each reduced: also added on the host instead of
       // on the device (the same fp32 add and rounding).
       const bool host_accumulation = c.accumulation > 1 && c.mode == GradAccumulation::reduce_each_micro_step;
@@ -329,6 +336,144 @@ TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1.
       }
     }
   }
+}
+
+namespace {
+
+// A backend that forwards to another and counts who summed the gradient
+// statistics of streamed gradients: the host gradient worker (its thread
+// calls host_grad_stats) or the device before the download (queue_grad_stats).
+class StatsCountingBackend final : public Backend {
+ public:
+  explicit StatsCountingBackend(Backend& inner) : inner_(inner) {}
+  std::atomic<int> host_sums{0}, queued_sums{0};
+
+  MemoryKind memory_kind() const override { return inner_.memory_kind(); }
+  std::string name() const override { return "counting " + inner_.name(); }
+  int device_index() const override { return inner_.device_index(); }
+  void* allocate(std::size_t bytes) override { return inner_.allocate(bytes); }
+  void deallocate(void* pointer, std::size_t bytes) override { inner_.deallocate(pointer, bytes); }
+  Stream compute_stream() const override { return inner_.compute_stream(); }
+  Stream comm_stream() const override { return inner_.comm_stream(); }
+  Stream transfer_stream() const override { return inner_.transfer_stream(); }
+  Event record_event(Stream stream) override { return inner_.record_event(stream); }
+  void stream_wait(Stream waiter, Event event) override { inner_.stream_wait(waiter, event); }
+  void release_event(Event event) override { inner_.release_event(event); }
+  void synchronize(Stream stream) override { inner_.synchronize(stream); }
+  void* allocate_host(std::size_t bytes) override { return inner_.allocate_host(bytes); }
+  void deallocate_host(void* pointer, std::size_t bytes) override { inner_.deallocate_host(pointer, bytes); }
+  void wait_event(Event event) override { inner_.wait_event(event); }
+  void fill_zero(void* data, std::size_t bytes, Stream stream) override { inner_.fill_zero(data, bytes, stream); }
+  void copy(void* dst, const void* src, std::size_t bytes, Stream stream) override {
+    inner_.copy(dst, src, bytes, stream);
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override { inner_.copy_to_host(dst, src, bytes); }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override {
+    inner_.copy_from_host(dst, src, bytes);
+  }
+  void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count,
+               Stream stream) override {
+    inner_.convert(src, src_dtype, dst, dst_dtype, count, stream);
+  }
+  void accumulate(void* dst, const void* src, DType dtype, std::size_t count, Stream stream) override {
+    inner_.accumulate(dst, src, dtype, count, stream);
+  }
+  void ema_update(float* ema, const float* weights, std::size_t count, double decay, Stream stream) override {
+    inner_.ema_update(ema, weights, count, decay, stream);
+  }
+  void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars, const ShardUpdate& update,
+                      Stream stream) override {
+    inner_.optimizer_step(options, scalars, update, stream);
+  }
+  GradStats grad_stats(const Span* spans, std::size_t span_count, DType dtype, Stream stream) override {
+    return inner_.grad_stats(spans, span_count, dtype, stream);
+  }
+  void queue_grad_stats(const Span& span, DType dtype, std::size_t slot, Stream stream) override {
+    ++queued_sums;
+    inner_.queue_grad_stats(span, dtype, slot, stream);
+  }
+  void read_grad_stats(GradStats* out, std::size_t count, Stream stream) override {
+    inner_.read_grad_stats(out, count, stream);
+  }
+  void host_fill_zero(void* data, std::size_t bytes) override { inner_.host_fill_zero(data, bytes); }
+  void host_copy(void* dst, const void* src, std::size_t bytes) override { inner_.host_copy(dst, src, bytes); }
+  GradStats host_grad_stats(const void* data, std::size_t count, DType dtype) override {
+    ++host_sums;
+    return inner_.host_grad_stats(data, count, dtype);
+  }
+  void host_optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
+                           const ShardUpdate& update) override {
+    inner_.host_optimizer_step(options, scalars, update);
+  }
+  void host_accumulate(void* dst, const void* src, DType dtype, std::size_t count) override {
+    inner_.host_accumulate(dst, src, dtype, count);
+  }
+  void host_ema_update(float* ema, const float* weights, std::size_t count, double decay) override {
+    inner_.host_ema_update(ema, weights, count, decay);
+  }
+  void host_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count) override {
+    inner_.host_convert(src, src_dtype, dst, dst_dtype, count);
+  }
+
+ private:
+  Backend& inner_;
+};
+
+}  // namespace
+
+// offload.gradient_stats_on_device: each streamed bucket's statistics are
+// queued on the device before its slice goes down (one per bucket and step),
+// the host worker sums none, and the training is the same bit for bit. Where
+// the gradients do not stream (several micro-steps accumulated on the
+// device) neither sums them; with the host accumulating micro-steps the
+// step's gradient is never whole on the device: refused.
+TEST_CASE("offload.gradient_stats_on_device: summed before the download, not by the host worker") {
+  MpiCommunicator comm;
+  auto host = make_host_backend();
+  StatsCountingBackend backend(*host);
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (const int accumulation : {1, 2}) {
+      CAPTURE(stage);
+      CAPTURE(accumulation);
+      Config c;
+      c.dtype = DType::bf16;
+      c.offload = true;
+      c.accumulation = accumulation;
+      c.optimizer.lr = 1e-2;
+      backend.host_sums = 0;
+      backend.queued_sums = 0;
+      const Trained by_worker = train_sharded(c, stage, comm, backend);
+      const int worker_sums = backend.host_sums, worker_queued = backend.queued_sums;
+      c.grad_stats_on_device = true;
+      const std::size_t buckets = Engine(mlp_units(), engine_options(c, stage), comm, backend).layout().buckets().size();
+      backend.host_sums = 0;
+      backend.queued_sums = 0;
+      const Trained by_device = train_sharded(c, stage, comm, backend);
+      check_bitwise_same_training(by_device, by_worker);
+      CHECK(worker_queued == 0);
+      CHECK(backend.host_sums == 0);
+      if (accumulation == 1) {
+        CHECK(worker_sums == static_cast<int>(buckets) * kSteps);
+        CHECK(backend.queued_sums == static_cast<int>(buckets) * kSteps);
+      } else {  // not streamed: summed on the device's gradient shard at step()
+        CHECK(worker_sums == 0);
+        CHECK(backend.queued_sums == 0);
+      }
+    }
+  }
+  Config c;
+  c.offload = true;
+  c.accumulation = 2;
+  c.accumulate_on_host = true;
+  c.grad_stats_on_device = true;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, backend),
+                       doctest::Contains("offload_gradient_stats_on_device cannot go with offload_accumulate_on_host"),
+                       InvalidArgument);
+  c.offload = false;
+  c.accumulate_on_host = false;
+  CHECK_THROWS_WITH_AS(Engine(mlp_units(), engine_options(c, 2), comm, backend),
+                       doctest::Contains("offload_gradient_stats_on_device needs offload_optimizer"),
+                       InvalidArgument);
 }
 
 TEST_CASE("accumulating offloaded gradients on the host leaves no gradient shard on the device") {

@@ -272,4 +272,14 @@ TEST_CASE("the offload rules: validate() names the struct, offload_conflict() on
   o.offload.optimizer = o.offload.accumulate_on_host = true;
   o.accumulation = GradAccumulation::reduce_at_boundary;
   CHECK(o.offload_conflict().find("use accumulation_mode each") != std::string::npos);
+  o.accumulation = GradAccumulation::reduce_each_micro_step;
+  o.offload.gradient_stats_on_device = true;
+  CHECK(o.offload_conflict().empty());  // one micro-step: the gradient goes down whole
+  o.accumulation_steps = 4;
+  CHECK(o.offload_conflict().starts_with("offload_gradient_stats_on_device cannot go with offload_accumulate_on_host "
+                                         "over 4 micro-steps"));
+  o.offload.accumulate_on_host = false;  // accumulated on the device, summed there anyway: allowed
+  CHECK(o.offload_conflict().empty());
+  o.offload.optimizer = false;
+  CHECK(o.offload_conflict().starts_with("offload_gradient_stats_on_device needs offload_optimizer"));
 }

@@ -78,10 +78,20 @@ class GradStatsReducer {
   /// Enqueues the reduction on stream and waits for that stream (only).
   GradStats run(const Backend::Span* spans, std::size_t span_count, DType dtype, Stream stream);
 
+  /// Enqueues the statistics of one span (summed as run() sums a span) into
+  /// result slot `slot` on stream, without waiting: a caller queues each
+  /// piece as it is ready and reads them all with read_slots(). Queue on
+  /// one stream only (the slots share their block partials); slots grow as
+  /// needed (growing waits for the device once).
+  void queue(const Backend::Span& span, DType dtype, std::size_t slot, Stream stream);
+  /// Waits for stream and writes slots [0, count) to out.
+  void read_slots(GradStats* out, std::size_t count, Stream stream);
+
   std::size_t scratch_bytes() const { return scratch_bytes_; }
 
  private:
   void reserve(std::size_t partial_count, std::size_t span_count);
+  void reserve_slots(std::size_t count);
 
   void* device_scratch_ = nullptr;  // result slot, then the span table, then block partials
   std::size_t scratch_bytes_ = 0;
@@ -89,6 +99,11 @@ class GradStatsReducer {
   std::size_t span_capacity_ = 0;
   void* host_pinned_ = nullptr;     // span table staging, then the result read back
   std::size_t host_pinned_bytes_ = 0;
+  // queue()'s: its own block partials (apart from run()'s, which may run on
+  // another stream meanwhile), then the result slots; their pinned copy.
+  void* slot_scratch_ = nullptr;
+  std::size_t slot_capacity_ = 0;
+  void* slot_host_ = nullptr;
 };
 
 /// Multiprocessor count of the current device (cached per device).

@@ -5,10 +5,12 @@
 // on a machine without a GPU.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "zero/comm/communicator.hpp"
 #include "zero/optim/optimizer.hpp"
@@ -80,6 +82,22 @@ class Backend {
   };
   virtual GradStats grad_stats(const Span* spans, std::size_t span_count, DType dtype,
                                Stream stream) = 0;
+  /// Statistics queued now and read later: queue_grad_stats sums one span
+  /// (as grad_stats sums a span) into result slot `slot`, after the work
+  /// queued on `stream`, without waiting for it; read_grad_stats waits for
+  /// `stream` and returns slots [0, count). The engine queues each bucket's
+  /// reduced gradient before it goes down to the host
+  /// (offload.gradient_stats_on_device), on one stream. This implementation
+  /// sums at once: for memory the calling thread reads.
+  virtual void queue_grad_stats(const Span& span, DType dtype, std::size_t slot, Stream stream) {
+    if (queued_stats_.size() <= slot) queued_stats_.resize(slot + 1);
+    queued_stats_[slot] = grad_stats(&span, 1, dtype, stream);
+  }
+  virtual void read_grad_stats(GradStats* out, std::size_t count, Stream /*stream*/) {
+    ZERO_CHECK(count <= queued_stats_.size(), "read_grad_stats: ", count, " slots read, ", queued_stats_.size(),
+               " queued");
+    std::copy_n(queued_stats_.begin(), count, out);
+  }
 
   // Host kernels: work on allocate_host() memory (offloaded master, state,
   // EMA, staging), run by the calling CPU thread. Every backend computes
@@ -104,6 +122,9 @@ class Backend {
   virtual void host_convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count) {
     cpu_convert(src, src_dtype, dst, dst_dtype, count);
   }
+
+ private:
+  std::vector<GradStats> queued_stats_;  // the default queue_grad_stats' slots
 };
 
 /// CPU memory, CPU kernels (vectorized and multi-threaded, or the plain

@@ -151,6 +151,16 @@ struct OffloadOptions {
   /// The same values either way; costs one bucket-sized staging block on
   /// the device with ema_on_device.
   bool upload_during_backward = true;
+  /// With `optimizer`, when each step's gradient goes down whole (not
+  /// accumulate_on_host over several micro-steps): each bucket's gradient
+  /// statistics (sum of squares, non-finite flag) are summed on the device
+  /// from its reduced slice as that goes down (one kernel on the comm
+  /// stream), and step() reads them back in one copy, instead of the host
+  /// gradient worker reading the whole downloaded shard again (2 bytes a
+  /// parameter of host memory traffic, and the worker's team, beside the
+  /// CPU update). Each bucket is summed the way the device sums a span, so
+  /// the global norm may differ from the host's in its last bits.
+  bool gradient_stats_on_device = false;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

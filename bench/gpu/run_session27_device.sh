@@ -13,7 +13,8 @@
 #             (atstep) and BASE_TREE's (base), alternated (ROUNDS, default 2;
 #             VARIANTS, default "new atstep base"; also grad1, upd12: this
 #             build with --offload_gradient_threads 1, --offload_update_threads
-#             12; EXTRA: more trainer options, for every variant).
+#             12; gstats: with --offload_gradient_stats_on_device true;
+#             EXTRA: more trainer options, for every variant).
 #  trace:     the offloaded run (this build) with a Kineto trace of step 10,
 #             where the compute stream waits and what the copies did meanwhile
 #             (bench/gpu/stream_timeline.py) and its kernels (kernel_summary.py);
@@ -53,6 +54,8 @@ if has ab; then
         # team at one thread, the update's below the cores less one.
         grad1) offloaded "sdxl-offload-emadevice-grad1-r$round" "$BUILD" --offload_gradient_threads 1 ;;
         upd12) offloaded "sdxl-offload-emadevice-upd12-r$round" "$BUILD" --offload_update_threads 12 ;;
+        # Session 32: the gradient statistics summed on the GPU before the download.
+        gstats) offloaded "sdxl-offload-emadevice-gstats-r$round" "$BUILD" --offload_gradient_stats_on_device true ;;
         base) offloaded "sdxl-offload-emadevice-base-r$round" "${base:?set BASE_TREE for the base variant}/build/cuda" ;;
       esac
     done

@@ -21,6 +21,8 @@
 #             the trace itself gzipped into the output folder. First the
 #             on-device step's trace (TRACE_DEVICE=0: not), for its kernels.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
+#  b1trace:   that run with a Kineto trace of step 15, its stream and host
+#             timelines in the log, the trace gzipped.
 #  fit:       the trainer's --fit 12GiB at global batch 8 (FIT_SIZES: other
 #             sizes), the planner's choice run as it chose it.
 #  tests:     TESTS (a ctest regex).
@@ -84,6 +86,18 @@ if has fit; then
   for size in ${FIT_SIZES:-12GiB}; do
     CONFIG=$gb8 run_trainer "sdxl-fit-$size-gb8" 300 --fit "$size"
   done
+fi
+if has b1trace; then
+  # Session 32: where batch 1's graphed step (stage 0) leaves the GPU idle
+  # (session 23-24's traces: 82-93% busy), with the host threads' waits beside
+  # the streams; two steps profiled would be better, one is what the trainer
+  # takes (its span starts and ends with an idle GPU).
+  run_trainer "sdxl-stage0-b1-trace" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
+    --ema_decay 0 --channels_last true --cuda_graph true --profile_step 15
+  trace=/tmp/sdxl-stage0-b1-trace/profile-step-15.json
+  python3 bench/gpu/stream_timeline.py "$trace" --top 25 2>&1 | tee -a "$LOG"
+  python3 bench/gpu/host_timeline.py "$trace" --min-ms 0.3 2>&1 | tee -a "$LOG"
+  gzip -c "$trace" > "$OUT_DIR/trace-stage0-b1.json.gz" && ls -l "$OUT_DIR/trace-stage0-b1.json.gz" | tee -a "$LOG"
 fi
 if has b1; then
   for round in $(seq 1 "${B1_ROUNDS:-1}"); do

@@ -16,16 +16,18 @@
 #              under an 80 GB card's memory);
 #  tests:      SPEED=0 tools/gpu-tests.sh in the clone: the whole cuda preset
 #              and every CTest test labelled gpu;
-#  offload:    the clone's bench/gpu/run_session27_device.sh, phases ab and fit
-#              with its trainer (built by quickstart): on-device AdamW + EMA at
+#  offload:    the clone's bench/gpu/run_session27_device.sh, phase ab, with
+#              its trainer (built by quickstart): on-device AdamW + EMA at
 #              batch 8, stage 2, then offloaded (offload_optimizer, delayed
-#              update, EMA on the GPU) ROUNDS times (default 1), then --fit
-#              under each of FIT_SIZES (default 12GiB) at global batch 8;
+#              update, EMA on the GPU) ROUNDS times (default 1) for each of
+#              VARIANTS (default new; see that script);
+#  fit:        its phase fit: --fit under each of FIT_SIZES (default 12GiB) at
+#              global batch 8;
 #  speed:      the clone's speed suite (bench/gpu/run_speed_device.sh): stages
 #              0-3 at batch 8 and stages 0, 2 at batch 1, no EMA, no
 #              checkpointing, with the UNet's forward+backward alone.
 # Output under $OUT/clean (quickstart.log, its metrics.jsonl, s20.tgz,
-# gpu-tests/ctest.log, s27.tgz, speed.tgz): few files, since the device
+# gpu-tests/ctest.log, s27-*.tgz, speed.tgz): few files, since the device
 # brings back only a handful.
 set -uo pipefail
 OUT=${OUT:-/tmp/zero-device-out}
@@ -53,11 +55,12 @@ if has partial; then
   tail -30 "$OUT_DIR/s20/run.log"
   (cd "$OUT_DIR" && tar czf s20.tgz s20 && rm -rf s20)
 fi
-if has offload; then
-  OUT=$OUT_DIR PHASES="ab fit" VARIANTS=new ROUNDS=${ROUNDS:-1} FIT_SIZES=${FIT_SIZES:-12GiB} STEPS=${STEPS:-16} \
-    bash bench/gpu/run_session27_device.sh > /dev/null 2>&1
+if has offload || has fit; then
+  s27_phases="$(has offload && echo ab) $(has fit && echo fit)"
+  OUT=$OUT_DIR PHASES="$s27_phases" VARIANTS=${VARIANTS:-new} ROUNDS=${ROUNDS:-1} FIT_SIZES=${FIT_SIZES:-12GiB} \
+    STEPS=${STEPS:-16} bash bench/gpu/run_session27_device.sh > /dev/null 2>&1
   tail -25 "$OUT_DIR/session27/run.log"
-  (cd "$OUT_DIR" && rm -f session27/*.smi && tar czf s27.tgz session27 && rm -rf session27)
+  (cd "$OUT_DIR" && rm -f session27/*.smi && tar czf "s27-${s27_phases// /}.tgz" session27 && rm -rf session27)
 fi
 if has speed; then
   OUT=$OUT_DIR BUILD=$PWD/build/cuda STEPS=${STEPS:-20} bash bench/gpu/run_speed_device.sh > /dev/null 2>&1

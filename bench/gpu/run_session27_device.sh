@@ -25,7 +25,8 @@
 #             build's default) and blocking (SDXL_BLOCKING_INPUT_COPIES=1),
 #             alternated B1_ROUNDS times (default 2).
 #  b1trace:   that run with a Kineto trace of step 15, its stream and host
-#             timelines in the log, the trace gzipped.
+#             timelines and kernel families in the log, the trace gzipped;
+#             at each of B1_TRACE_STAGES (default 0).
 #  fit:       the trainer's --fit 12GiB at global batch 8 (FIT_SIZES: other
 #             sizes), the planner's choice run as it chose it.
 #  tests:     TESTS (a ctest regex).
@@ -95,12 +96,17 @@ if has b1trace; then
   # (session 23-24's traces: 82-93% busy), with the host threads' waits beside
   # the streams; two steps profiled would be better, one is what the trainer
   # takes (its span starts and ends with an idle GPU).
-  run_trainer "sdxl-stage0-b1-trace" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
-    --ema_decay 0 --channels_last true --cuda_graph true --profile_step 15
-  trace=/tmp/sdxl-stage0-b1-trace/profile-step-15.json
-  python3 bench/gpu/stream_timeline.py "$trace" --top 25 2>&1 | tee -a "$LOG"
-  python3 bench/gpu/host_timeline.py "$trace" --min-ms 0.3 2>&1 | tee -a "$LOG"
-  gzip -c "$trace" > "$OUT_DIR/trace-stage0-b1.json.gz" && ls -l "$OUT_DIR/trace-stage0-b1.json.gz" | tee -a "$LOG"
+  # B1_TRACE_STAGES (default 0): stage 2 at one rank ran ~10 ms a step
+  # slower than stage 0 at both batch sizes (graphs-stage23-h200.json).
+  for stage in ${B1_TRACE_STAGES:-0}; do
+    run_trainer "sdxl-stage$stage-b1-trace" 150 --stage "$stage" --batch_size 1 --activation_checkpointing false \
+      --ema_decay 0 --channels_last true --cuda_graph true --profile_step 15
+    trace=/tmp/sdxl-stage$stage-b1-trace/profile-step-15.json
+    python3 bench/gpu/stream_timeline.py "$trace" --top 25 2>&1 | tee -a "$LOG"
+    python3 bench/gpu/host_timeline.py "$trace" --min-ms 0.3 2>&1 | tee -a "$LOG"
+    python3 bench/gpu/kernel_summary.py "$trace" --top 25 2>&1 | tee -a "$LOG"
+    gzip -c "$trace" > "$OUT_DIR/trace-stage$stage-b1.json.gz" && ls -l "$OUT_DIR/trace-stage$stage-b1.json.gz" | tee -a "$LOG"
+  done
 fi
 if has b1ab; then
   # Session 32: the batch's inputs sent up without a host wait (default)

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -299,24 +298,8 @@ std::int64_t drop_captions(const TrainConfig& cfg, const data::EmptyPrompt& empt
 double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t micro) {
   const TrainConfig& cfg = run.cfg;
   const torch::Device device = run.runtime.device();
-  // To the GPU without a host wait: a copy from pageable memory waits for
-  // everything queued before it (the last step's optimizer update), and the
-  // next copies, the noise and the launch of the forward then run while the
-  // GPU idles. Converted on the host and pinned, the inputs queue behind the
-  // update instead (the caching host allocator keeps each pinned block until
-  // its copy has run). SDXL_BLOCKING_INPUT_COPIES=1: the blocking copies, to
-  // measure against.
-  static const bool blocking_copies = [] {
-    const char* on = std::getenv("SDXL_BLOCKING_INPUT_COPIES");
-    return on != nullptr && std::strcmp(on, "1") == 0;
-  }();
-  const bool async_copies = device.is_cuda() && !blocking_copies;
-  auto to_device = [&](const torch::Tensor& host, torch::ScalarType type) {
-    if (!async_copies) return host.to(device, type);
-    return host.to(type).pin_memory().to(device, type, /*non_blocking=*/true);
-  };
   auto tensor_of = [&](const std::vector<float>& v, c10::IntArrayRef shape) {
-    return to_device(torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32), run.model.compute_type);
+    return torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32).to(device, run.model.compute_type);
   };
   if (run.faults.slow_rank && run.faults.slow_rank->rank == run.host_comm.rank())
     std::this_thread::sleep_for(run.faults.slow_rank->delay);
@@ -340,14 +323,14 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
                                   cfg.noise_offset, generator));
   }
   torch::Tensor timesteps = torch::cat(times);
-  torch::Tensor noise = to_device(torch::cat(noises), run.model.compute_type);
-  const torch::Tensor timesteps_on_device = to_device(timesteps, torch::kLong);
+  torch::Tensor noise = torch::cat(noises).to(device, run.model.compute_type);
+  const torch::Tensor timesteps_on_device = timesteps.to(device);
   torch::Tensor noisy = loop.schedule.add_noise(latents, noise, timesteps_on_device);
   torch::Tensor target = loop.schedule.target(loop.prediction, latents, noise, timesteps_on_device);
   torch::Tensor weights;
   if (cfg.min_snr_gamma > 0) weights = loop.schedule.min_snr_weights(loop.prediction, timesteps, cfg.min_snr_gamma);
   torch::Tensor timesteps_in = timesteps_on_device.to(torch::kFloat32);
-  if (weights.defined()) weights = to_device(weights, torch::kFloat32);
+  if (weights.defined()) weights = weights.to(device, torch::kFloat32);
   UNet2DConditionModel& model = run.model.unet;
   zero::adapter::ShardedModel& sharded = run.sharded();
   torch::Tensor loss;

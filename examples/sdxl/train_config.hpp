@@ -98,7 +98,7 @@ struct TrainConfig {
   bool offload_accumulate_on_host = false;  // offload + accumulation: the CPU adds the micro-steps' gradients
   bool offload_ema_on_device = false;  // offload: the EMA stays on the GPU; the master goes up, the GPU rounds it
   bool offload_upload_during_backward = true;  // delayed update, stages 1-2: parameters go up during backward
-  bool offload_gradient_stats_on_device = false;  // offload: gradient statistics summed on the GPU before the download
+  bool offload_gradient_stats_on_device = true;  // offload: gradient statistics summed on the GPU before the download
   std::int64_t offload_update_threads = 0;    // the CPU update's threads beside the GPU (0: cores - 1)
   std::int64_t offload_gradient_threads = 0;  // the host gradient worker's threads (0: as the update's)
   // [output]

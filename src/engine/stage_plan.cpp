@@ -103,13 +103,6 @@ std::string EngineOptions::offload_conflict() const {
                   offload.optimizer ? "" : "no offload_optimizer, ", ema.enabled() ? "" : "no EMA (ema_decay 0), ",
                   offload.params ? "offload_params, " : "", "stage ", stage,
                   "): it keeps the EMA beside parameters that live on the device");
-  if (offload.gradient_stats_on_device && !offload.optimizer)
-    return concat("offload_gradient_stats_on_device needs offload_optimizer (without it the gradients stay on "
-                  "the device and are summed there anyway), got stage ", stage, " without offload_optimizer");
-  if (offload.gradient_stats_on_device && offload.accumulate_on_host && accumulation_steps > 1)
-    return concat("offload_gradient_stats_on_device cannot go with offload_accumulate_on_host over ",
-                  accumulation_steps, " micro-steps: the step's gradient is summed on the host, never whole on "
-                  "the device");
   return {};
 }
 
@@ -152,7 +145,9 @@ StagePlan StagePlan::of(const EngineOptions& o, int world_size) {
   // shard and go down at the step, unless the host accumulates them.
   p.streams_grads_to_host = o.offload.optimizer && (!multi || o.offload.accumulate_on_host);
   p.accumulates_on_host = p.streams_grads_to_host && multi;
-  p.grad_stats_on_device_before_download = p.streams_grads_to_host && o.offload.gradient_stats_on_device;
+  // The step's gradient goes down whole only where the host adds no micro-steps.
+  p.grad_stats_on_device_before_download =
+      p.streams_grads_to_host && !p.accumulates_on_host && o.offload.gradient_stats_on_device;
 
   p.optimizer_full = o.stage == 0;
   p.optimizer_on_host = o.offload.optimizer;

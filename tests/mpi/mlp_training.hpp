@@ -105,7 +105,7 @@ struct Config {
   bool offload_params = false;  // EngineOptions::offload_params (stage 3)
   bool accumulate_on_host = false;  // EngineOptions::offload.accumulate_on_host
   bool ema_on_device = false;  // EngineOptions::offload.ema_on_device
-  bool grad_stats_on_device = false;  // EngineOptions::offload.gradient_stats_on_device
+  bool grad_stats_on_device = true;  // EngineOptions::offload.gradient_stats_on_device (its default)
   double ema_decay = 0;
   /// Parameter groups (EngineOptions::param_groups) and each parameter's
   /// group, in mlp_units() order; empty: one group.

@@ -272,14 +272,28 @@ TEST_CASE("the offload rules: validate() names the struct, offload_conflict() on
   o.offload.optimizer = o.offload.accumulate_on_host = true;
   o.accumulation = GradAccumulation::reduce_at_boundary;
   CHECK(o.offload_conflict().find("use accumulation_mode each") != std::string::npos);
-  o.accumulation = GradAccumulation::reduce_each_micro_step;
+}
+
+// offload.gradient_stats_on_device (on by default) applies where the step's
+// gradient streams down whole; elsewhere it is no error, the statistics are
+// summed where the gradient is.
+TEST_CASE("the plan sums streamed gradients' statistics on the device where the step's gradient goes down whole") {
+  EngineOptions o;
+  CHECK(o.offload.gradient_stats_on_device);
+  CHECK_FALSE(StagePlan::of(o, 2).grad_stats_on_device_before_download);  // nothing streams
+  o.stage = 2;
+  o.offload.optimizer = true;
+  CHECK(StagePlan::of(o, 2).grad_stats_on_device_before_download);
+  o.offload.gradient_stats_on_device = false;
+  CHECK_FALSE(StagePlan::of(o, 2).grad_stats_on_device_before_download);
   o.offload.gradient_stats_on_device = true;
-  CHECK(o.offload_conflict().empty());  // one micro-step: the gradient goes down whole
-  o.accumulation_steps = 4;
-  CHECK(o.offload_conflict().starts_with("offload_gradient_stats_on_device cannot go with offload_accumulate_on_host "
-                                         "over 4 micro-steps"));
-  o.offload.accumulate_on_host = false;  // accumulated on the device, summed there anyway: allowed
+  o.accumulation_steps = 3;  // accumulated on the device, downloaded at the step: summed there before it
+  CHECK_FALSE(StagePlan::of(o, 2).streams_grads_to_host);
+  CHECK_FALSE(StagePlan::of(o, 2).grad_stats_on_device_before_download);
+  o.offload.accumulate_on_host = true;  // the host adds the micro-steps: the worker sums their total
+  CHECK(StagePlan::of(o, 2).accumulates_on_host);
+  CHECK_FALSE(StagePlan::of(o, 2).grad_stats_on_device_before_download);
   CHECK(o.offload_conflict().empty());
-  o.offload.optimizer = false;
-  CHECK(o.offload_conflict().starts_with("offload_gradient_stats_on_device needs offload_optimizer"));
+  o.accumulation_steps = 1;  // streamed on the host, one micro-step: whole on the device
+  CHECK(StagePlan::of(o, 2).grad_stats_on_device_before_download);
 }

@@ -151,16 +151,21 @@ struct OffloadOptions {
   /// The same values either way; costs one bucket-sized staging block on
   /// the device with ema_on_device.
   bool upload_during_backward = true;
-  /// With `optimizer`, when each step's gradient goes down whole (not
-  /// accumulate_on_host over several micro-steps): each bucket's gradient
+  /// With `optimizer` and streamed gradients (one micro-step, or each
+  /// micro-step streamed and added on the host): each bucket's gradient
   /// statistics (sum of squares, non-finite flag) are summed on the device
   /// from its reduced slice as that goes down (one kernel on the comm
   /// stream), and step() reads them back in one copy, instead of the host
   /// gradient worker reading the whole downloaded shard again (2 bytes a
-  /// parameter of host memory traffic, and the worker's team, beside the
-  /// CPU update). Each bucket is summed the way the device sums a span, so
-  /// the global norm may differ from the host's in its last bits.
-  bool gradient_stats_on_device = false;
+  /// parameter of host memory traffic, and the worker's team, beside the CPU
+  /// update: +7% and +15% offloaded images/s in two A/B rounds on an H100,
+  /// session 32). The device adds eight squares at a time in fp32 in its own
+  /// grouping, so the norm may differ from the worker's by a few 1e-8
+  /// relative. Where the step's gradient is never whole on the device (the
+  /// host adds several micro-steps) the worker sums it; without `optimizer`
+  /// nothing streams and the device sums the gradients anyway. false: always
+  /// the worker.
+  bool gradient_stats_on_device = true;
 };
 
 /// A parameter group: the optimizer hyperparameters of some parameters

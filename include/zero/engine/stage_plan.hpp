@@ -58,9 +58,9 @@ struct StagePlan {
   /// Streamed over several micro-steps: after the first, each slice lands in
   /// a host staging shard and the CPU adds it into the host gradient shard.
   bool accumulates_on_host = false;
-  /// offload.gradient_stats_on_device with streamed gradients: each bucket's
-  /// statistics are summed on the device as its slice goes down, not by the
-  /// host gradient worker after it lands.
+  /// offload.gradient_stats_on_device with streamed gradients that the host
+  /// does not accumulate: each bucket's statistics are summed on the device
+  /// as its slice goes down, not by the host gradient worker after it lands.
   bool grad_stats_on_device_before_download = false;
 
   // ---- optimizer

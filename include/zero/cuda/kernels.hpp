@@ -78,8 +78,9 @@ class GradStatsReducer {
   /// Enqueues the reduction on stream and waits for that stream (only).
   GradStats run(const Backend::Span* spans, std::size_t span_count, DType dtype, Stream stream);
 
-  /// Enqueues the statistics of one span (summed as run() sums a span) into
-  /// result slot `slot` on stream, without waiting: a caller queues each
+  /// Enqueues the statistics of one span (run()'s kernel on a grid of its
+  /// own, so the last bits may differ from run()'s) into result slot `slot`
+  /// on stream, without waiting: a caller queues each
   /// piece as it is ready and reads them all with read_slots(). Queue on
   /// one stream only (the slots share their block partials); slots grow as
   /// needed (growing waits for the device once).

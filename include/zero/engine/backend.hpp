@@ -83,7 +83,8 @@ class Backend {
   virtual GradStats grad_stats(const Span* spans, std::size_t span_count, DType dtype,
                                Stream stream) = 0;
   /// Statistics queued now and read later: queue_grad_stats sums one span
-  /// (as grad_stats sums a span) into result slot `slot`, after the work
+  /// (grad_stats' way, possibly in another grouping: the last bits may
+  /// differ) into result slot `slot`, after the work
   /// queued on `stream`, without waiting for it; read_grad_stats waits for
   /// `stream` and returns slots [0, count). The engine queues each bucket's
   /// reduced gradient before it goes down to the host

@@ -173,13 +173,18 @@ void GradStatsReducer::reserve(std::size_t partial_count, std::size_t span_count
 }
 
 namespace {
-// queue()'s grid: blocks for one span, at most about 8 per SM.
-std::size_t slot_blocks(std::size_t count) {
-  const std::size_t wanted = (count + kStatsThreads * kChunk - 1) / (kStatsThreads * kChunk);
-  return std::max<std::size_t>(1, std::min(wanted, static_cast<std::size_t>(sm_count()) * 8));
+// Blocks of the grid: about 8 per SM in all.
+std::size_t block_budget() { return static_cast<std::size_t>(sm_count()) * 8; }
+// Blocks per span for `spans` spans of at most max_count elements: enough
+// for the largest, within the budget shared by the spans.
+std::size_t blocks_per_span(std::size_t max_count, std::size_t spans) {
+  const std::size_t wanted = (max_count + kStatsThreads * kChunk - 1) / (kStatsThreads * kChunk);
+  const std::size_t budget = std::max<std::size_t>(1, block_budget() / spans);
+  return std::max<std::size_t>(1, std::min(wanted, budget));
 }
-// Slot scratch layout: [double x partials][StatsResult x slots].
-std::size_t slot_partials() { return static_cast<std::size_t>(sm_count()) * 8; }
+// Slot scratch layout: [double x partials][StatsResult x slots]; one span a
+// launch, so at most block_budget() partials.
+std::size_t slot_partials() { return block_budget(); }
 std::size_t slots_offset() { return align_up(slot_partials() * sizeof(double), 256); }
 }  // namespace
 
@@ -220,7 +225,7 @@ void GradStatsReducer::queue(const Backend::Span& span, DType dtype, std::size_t
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     const SpanEntry entry{span.data, span.count, vector_head({{span.data, sizeof(T)}}, span.count)};
-    grad_stats_span_kernel<T><<<static_cast<unsigned>(slot_blocks(span.count)), kStatsThreads, 0, cuda_stream>>>(
+    grad_stats_span_kernel<T><<<static_cast<unsigned>(blocks_per_span(span.count, 1)), kStatsThreads, 0, cuda_stream>>>(
         entry, partials, result);
     ZERO_CHECK_LAUNCH();
   });
@@ -254,11 +259,7 @@ GradStats GradStatsReducer::run(const Backend::Span* spans, std::size_t span_cou
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   constexpr std::size_t kMaxSpansPerLaunch = 65535;  // gridDim.y limit
   const std::size_t batch = std::min(span_count, kMaxSpansPerLaunch);
-  // Blocks per span: enough for the largest span, but about 8 blocks per SM in all.
-  const std::size_t wanted = (max_count + kStatsThreads * kChunk - 1) / (kStatsThreads * kChunk);
-  const std::size_t budget =
-      std::max<std::size_t>(1, static_cast<std::size_t>(sm_count()) * 8 / batch);
-  const std::size_t blocks_x = std::max<std::size_t>(1, std::min(wanted, budget));
+  const std::size_t blocks_x = blocks_per_span(max_count, batch);
   reserve(blocks_x * batch, batch);
 
   auto* bytes = static_cast<unsigned char*>(device_scratch_);

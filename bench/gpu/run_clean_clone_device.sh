@@ -14,20 +14,18 @@
 #  partial:    the same clone's bench/gpu/run_session20_device.sh, RUNS
 #              (default "all fit-cap80": every unit recomputed, and "fit"
 #              under an 80 GB card's memory);
-#  tests:      SPEED=0 tools/gpu-tests.sh in the clone: the whole cuda preset
-#              and every CTest test labelled gpu;
+#  tests:      tools/gpu-tests.sh in the clone: the whole cuda preset and
+#              every CTest test labelled gpu, and with SPEED=1 the speed suite
+#              after them (the README's command as it is; default SPEED=0);
 #  offload:    the clone's bench/gpu/run_session27_device.sh, phase ab, with
 #              its trainer (built by quickstart): on-device AdamW + EMA at
 #              batch 8, stage 2, then offloaded (offload_optimizer, delayed
 #              update, EMA on the GPU) ROUNDS times (default 1) for each of
 #              VARIANTS (default new; see that script);
 #  fit:        its phase fit: --fit under each of FIT_SIZES (default 12GiB) at
-#              global batch 8;
-#  speed:      the clone's speed suite (bench/gpu/run_speed_device.sh): stages
-#              0-3 at batch 8 and stages 0, 2 at batch 1, no EMA, no
-#              checkpointing, with the UNet's forward+backward alone.
+#              global batch 8.
 # Output under $OUT/clean (quickstart.log, its metrics.jsonl, s20.tgz,
-# gpu-tests/ctest.log, s27-*.tgz, speed.tgz): few files, since the device
+# gpu-tests/ctest.log and speed.tgz, s27-*.tgz): few files, since the device
 # brings back only a handful.
 set -uo pipefail
 OUT=${OUT:-/tmp/zero-device-out}
@@ -62,13 +60,9 @@ if has offload || has fit; then
   tail -25 "$OUT_DIR/session27/run.log"
   (cd "$OUT_DIR" && rm -f session27/*.smi && tar czf "s27-${s27_phases// /}.tgz" session27 && rm -rf session27)
 fi
-if has speed; then
-  OUT=$OUT_DIR BUILD=$PWD/build/cuda STEPS=${STEPS:-20} bash bench/gpu/run_speed_device.sh > /dev/null 2>&1
-  echo "speed suite exit $?"
-  tar xzOf "$OUT_DIR/speed.tgz" speed/speed.log 2>/dev/null | tail -25
-fi
 if has tests; then
-  SPEED=0 OUT="$OUT_DIR/gpu-tests" bash tools/gpu-tests.sh > "$OUT_DIR/gpu-tests.log" 2>&1
+  SPEED=${SPEED:-0} OUT="$OUT_DIR/gpu-tests" bash tools/gpu-tests.sh > "$OUT_DIR/gpu-tests.log" 2>&1
   echo "gpu-tests exit $?" | tee -a "$OUT_DIR/gpu-tests.log"
-  grep -E "Test +#|tests passed|FAIL" "$OUT_DIR/gpu-tests.log" | tail -30
+  grep -E "Test +#|tests passed|FAIL|images/s|sdxl-" "$OUT_DIR/gpu-tests.log" | tail -40
+  rm -rf "$OUT_DIR/gpu-tests/speed"  # unpacked by gpu-tests.sh; speed.tgz stays (few files come back)
 fi

@@ -21,6 +21,9 @@
 #             the trace itself gzipped into the output folder. First the
 #             on-device step's trace (TRACE_DEVICE=0: not), for its kernels.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
+#  b1ab:      that run with the inputs through reused pinned buffers without
+#             a host wait (this build's default) and blocking
+#             (SDXL_BLOCKING_INPUT_COPIES=1), alternated B1_ROUNDS times (default 2).
 #  b1trace:   that run with a Kineto trace of step 15, its stream and host
 #             timelines and kernel families in the log, the trace gzipped;
 #             at each of B1_TRACE_STAGES (default 0).
@@ -103,6 +106,18 @@ if has b1trace; then
     python3 bench/gpu/host_timeline.py "$trace" --min-ms 0.3 2>&1 | tee -a "$LOG"
     python3 bench/gpu/kernel_summary.py "$trace" --top 25 2>&1 | tee -a "$LOG"
     gzip -c "$trace" > "$OUT_DIR/trace-stage$stage-b1.json.gz" && ls -l "$OUT_DIR/trace-stage$stage-b1.json.gz" | tee -a "$LOG"
+  done
+fi
+if has b1ab; then
+  # Session 33: the inputs through pinned buffers allocated once (default)
+  # against the blocking copies (SDXL_BLOCKING_INPUT_COPIES=1), alternated.
+  for round in $(seq 1 "${B1_ROUNDS:-2}"); do
+    for variant in pinned blocking; do
+      [ "$variant" = blocking ] && export SDXL_BLOCKING_INPUT_COPIES=1
+      run_trainer "sdxl-stage0-b1-$variant-r$round" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
+        --ema_decay 0 --channels_last true --cuda_graph true
+      unset SDXL_BLOCKING_INPUT_COPIES
+    done
   done
 fi
 if has b1; then

@@ -65,6 +65,35 @@ class DeviceRuntime {
   std::unique_ptr<zero::Backend> backend_;
 };
 
+/// The micro-step's inputs on their way to the device. On a GPU each input
+/// has a pinned host buffer of its own, allocated at the first micro-step and
+/// reused: the input is converted into it on the host and copied up without
+/// a host wait, queued behind the last step's update. (A blocking copy from
+/// pageable memory waits for that update first, and the GPU then idles while
+/// the host makes and sends the rest; pinning a new block every step, as
+/// session 32 tried, made LibTorch's host allocator stall.) Before a buffer is
+/// written again its last copy is waited for (an event; in the trainer long
+/// done, since each micro-step ends reading its loss). On the CPU, and with
+/// SDXL_BLOCKING_INPUT_COPIES=1 (the blocking copies, to measure against): a
+/// plain conversion and copy.
+class InputUploads {
+ public:
+  explicit InputUploads(torch::Device device);
+  ~InputUploads();
+  InputUploads(const InputUploads&) = delete;
+  InputUploads& operator=(const InputUploads&) = delete;
+  /// `host` (a CPU tensor) as a `type` tensor on the device. `slot` names the
+  /// input: each slot keeps one buffer, made again when the shape or type changes.
+  torch::Tensor up(std::size_t slot, const torch::Tensor& host, torch::ScalarType type);
+  /// Whether inputs go through the pinned buffers.
+  bool pinned() const { return buffers_ != nullptr; }
+
+ private:
+  struct Buffers;  // the pinned tensors and their copies' events (CUDA builds)
+  torch::Device device_;
+  std::unique_ptr<Buffers> buffers_;
+};
+
 /// One micro-step captured once in a CUDA graph and replayed: one launch
 /// instead of thousands (batch 1 is bound by launch overhead). The inputs are
 /// copied into tensors the graph reads. The whole micro-step is captured

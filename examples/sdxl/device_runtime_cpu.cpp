@@ -31,6 +31,16 @@ void DeviceRuntime::limit_torch_memory(double) { no_cuda("max_gpu_memory"); }
 
 std::optional<std::size_t> DeviceRuntime::memory_in_use() const { return std::nullopt; }
 
+struct InputUploads::Buffers {};
+
+InputUploads::InputUploads(torch::Device device) : device_(device) {}
+
+InputUploads::~InputUploads() = default;
+
+torch::Tensor InputUploads::up(std::size_t, const torch::Tensor& host, torch::ScalarType type) {
+  return host.to(device_, type);
+}
+
 struct GraphedMicroStep::Captured {};
 
 GraphedMicroStep::GraphedMicroStep(zero::adapter::ShardedModel& sharded) : sharded_(sharded) {}

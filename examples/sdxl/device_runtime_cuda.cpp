@@ -1,11 +1,16 @@
 // DeviceRuntime where zero has CUDA and LibTorch has CUDA: device = "cuda"
 // runs on a GPU, device = "cpu" on the host as in the CPU-only build.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
 
 #include "device_runtime.hpp"
 #include "deterministic.hpp"
@@ -70,6 +75,39 @@ std::optional<std::size_t> DeviceRuntime::memory_in_use() const {
   std::size_t free = 0, total = 0;
   cudaMemGetInfo(&free, &total);
   return total - free;
+}
+
+// ------------------------------------------------------------------ the inputs
+
+struct InputUploads::Buffers {
+  struct Slot {
+    torch::Tensor pinned;
+    at::cuda::CUDAEvent copied;  // the last copy out of `pinned`
+  };
+  std::deque<Slot> slots;  // a deque: the events cannot be copied
+};
+
+InputUploads::InputUploads(torch::Device device) : device_(device) {
+  const char* blocking = std::getenv("SDXL_BLOCKING_INPUT_COPIES");
+  if (device.is_cuda() && !(blocking != nullptr && std::strcmp(blocking, "1") == 0))
+    buffers_ = std::make_unique<Buffers>();
+}
+
+InputUploads::~InputUploads() = default;
+
+torch::Tensor InputUploads::up(std::size_t slot, const torch::Tensor& host, torch::ScalarType type) {
+  if (!buffers_) return host.to(device_, type);
+  ZERO_CHECK(host.device().is_cpu(), "InputUploads::up: input ", slot, " is on ", host.device().str(),
+             ", expected the CPU");
+  while (buffers_->slots.size() <= slot) buffers_->slots.emplace_back();
+  Buffers::Slot& s = buffers_->slots[slot];
+  s.copied.synchronize();  // nothing to wait for before its first record
+  if (!s.pinned.defined() || s.pinned.sizes() != host.sizes() || s.pinned.scalar_type() != type)
+    s.pinned = torch::empty(host.sizes(), torch::TensorOptions().dtype(type).pinned_memory(true));
+  s.pinned.copy_(host);  // converted here, on the host
+  torch::Tensor on_device = s.pinned.to(device_, type, /*non_blocking=*/true);
+  s.copied.record(at::cuda::getCurrentCUDAStream(device_.index()));
+  return on_device;
 }
 
 // ------------------------------------------------------------------ the captured micro-step

@@ -258,7 +258,8 @@ struct StepLoop {
         lr_scale(run.cfg.scale_lr ? static_cast<double>(run.world * run.cfg.batch_size * run.cfg.accumulation) : 1.0),
         start(Clock::now()),
         sampler_state(run.data.resumed.sampler.value_or(run.data.loader->state())),
-        graphed(run.sharded()) {}
+        graphed(run.sharded()),
+        inputs(run.runtime.device()) {}
 
   const NoiseSchedule schedule;
   const Prediction prediction;
@@ -272,6 +273,7 @@ struct StepLoop {
   // captured, and every step from there replays it.
   std::int64_t eager_steps_done = 0;
   GraphedMicroStep graphed;
+  InputUploads inputs;
 };
 
 /// Caption dropout: replaces the text conditioning (prompt embeds and pooled)
@@ -297,9 +299,13 @@ std::int64_t drop_captions(const TrainConfig& cfg, const data::EmptyPrompt& empt
 /// Forward and backward of one micro-step on the next batch; returns its loss.
 double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t micro) {
   const TrainConfig& cfg = run.cfg;
-  const torch::Device device = run.runtime.device();
-  auto tensor_of = [&](const std::vector<float>& v, c10::IntArrayRef shape) {
-    return torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32).to(device, run.model.compute_type);
+  // Each input through its own slot of loop.inputs (pinned and non-blocking on a GPU).
+  enum Slot : std::size_t { kLatents, kPrompt, kPooled, kTimeIds, kNoise, kTimesteps, kWeights };
+  auto up = [&](Slot slot, const torch::Tensor& host, torch::ScalarType type) {
+    return loop.inputs.up(slot, host, type);
+  };
+  auto tensor_of = [&](Slot slot, const std::vector<float>& v, c10::IntArrayRef shape) {
+    return up(slot, torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32), run.model.compute_type);
   };
   if (run.faults.slow_rank && run.faults.slow_rank->rank == run.host_comm.rank())
     std::this_thread::sleep_for(run.faults.slow_rank->delay);
@@ -307,10 +313,10 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   loop.sampler_state = batch.state_after;
   seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
   if (run.data.empty_prompt) loop.captions_dropped += drop_captions(cfg, *run.data.empty_prompt, batch, step, micro);
-  torch::Tensor latents = tensor_of(batch.latents, batch.latents_shape);
-  torch::Tensor prompt = tensor_of(batch.prompt_embeds, batch.prompt_embeds_shape);
-  torch::Tensor pooled = tensor_of(batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
-  torch::Tensor time_ids = tensor_of(batch.time_ids, batch.time_ids_shape);
+  torch::Tensor latents = tensor_of(kLatents, batch.latents, batch.latents_shape);
+  torch::Tensor prompt = tensor_of(kPrompt, batch.prompt_embeds, batch.prompt_embeds_shape);
+  torch::Tensor pooled = tensor_of(kPooled, batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
+  torch::Tensor time_ids = tensor_of(kTimeIds, batch.time_ids, batch.time_ids_shape);
   // Noise and timestep of each sample depend on (seed, step, micro-step,
   // sample index) only: a resumed run draws what the uninterrupted one
   // did, and any world size draws the same for the same global batch.
@@ -323,14 +329,14 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
                                   cfg.noise_offset, generator));
   }
   torch::Tensor timesteps = torch::cat(times);
-  torch::Tensor noise = torch::cat(noises).to(device, run.model.compute_type);
-  const torch::Tensor timesteps_on_device = timesteps.to(device);
+  torch::Tensor noise = up(kNoise, torch::cat(noises), run.model.compute_type);
+  const torch::Tensor timesteps_on_device = up(kTimesteps, timesteps, torch::kLong);
   torch::Tensor noisy = loop.schedule.add_noise(latents, noise, timesteps_on_device);
   torch::Tensor target = loop.schedule.target(loop.prediction, latents, noise, timesteps_on_device);
   torch::Tensor weights;
   if (cfg.min_snr_gamma > 0) weights = loop.schedule.min_snr_weights(loop.prediction, timesteps, cfg.min_snr_gamma);
   torch::Tensor timesteps_in = timesteps_on_device.to(torch::kFloat32);
-  if (weights.defined()) weights = weights.to(device, torch::kFloat32);
+  if (weights.defined()) weights = up(kWeights, weights, torch::kFloat32);
   UNet2DConditionModel& model = run.model.unet;
   zero::adapter::ShardedModel& sharded = run.sharded();
   torch::Tensor loss;

@@ -85,8 +85,6 @@ class InputUploads {
   /// `host` (a CPU tensor) as a `type` tensor on the device. `slot` names the
   /// input: each slot keeps one buffer, made again when the shape or type changes.
   torch::Tensor up(std::size_t slot, const torch::Tensor& host, torch::ScalarType type);
-  /// Whether inputs go through the pinned buffers.
-  bool pinned() const { return buffers_ != nullptr; }
 
  private:
   struct Buffers;  // the pinned tensors and their copies' events (CUDA builds)

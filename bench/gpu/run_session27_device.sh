@@ -22,8 +22,10 @@
 #             on-device step's trace (TRACE_DEVICE=0: not), for its kernels.
 #  b1:        batch 1, stage 0, graph, no EMA, no checkpointing (B1_ROUNDS, default 1).
 #  b1ab:      that run with the inputs through reused pinned buffers without
-#             a host wait (this build's default) and blocking
-#             (SDXL_BLOCKING_INPUT_COPIES=1), alternated B1_ROUNDS times (default 2).
+#             a host wait (this build's default: pinned) and blocking
+#             (SDXL_BLOCKING_INPUT_COPIES=1: blocking), alternated B1_ROUNDS
+#             times (default 2); B1_VARIANTS (default "pinned blocking") may add
+#             threads1, threads4: the default with --host_threads 1, 4.
 #  b1trace:   that run with a Kineto trace of step 15, its stream and host
 #             timelines and kernel families in the log, the trace gzipped;
 #             at each of B1_TRACE_STAGES (default 0).
@@ -112,10 +114,14 @@ if has b1ab; then
   # Session 33: the inputs through pinned buffers allocated once (default)
   # against the blocking copies (SDXL_BLOCKING_INPUT_COPIES=1), alternated.
   for round in $(seq 1 "${B1_ROUNDS:-2}"); do
-    for variant in pinned blocking; do
-      [ "$variant" = blocking ] && export SDXL_BLOCKING_INPUT_COPIES=1
+    for variant in ${B1_VARIANTS:-pinned blocking}; do
+      extra=()
+      case $variant in
+        blocking) export SDXL_BLOCKING_INPUT_COPIES=1 ;;
+        threads*) extra=(--host_threads "${variant#threads}") ;;
+      esac
       run_trainer "sdxl-stage0-b1-$variant-r$round" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
-        --ema_decay 0 --channels_last true --cuda_graph true
+        --ema_decay 0 --channels_last true --cuda_graph true "${extra[@]}"
       unset SDXL_BLOCKING_INPUT_COPIES
     done
   done

@@ -58,9 +58,12 @@ namespace {
 // ------------------------------------------------------------------ setup
 
 /// LibTorch's intra-op threads share the host's cores with the other ranks
-/// on it; rank 0 prints the configuration the run really uses.
+/// on it, unless [device] host_threads says how many; rank 0 prints the
+/// configuration the run really uses.
 void announce_run(const TrainConfig& cfg, const zero::MpiCommunicator& host_comm) {
-  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / host_comm.local_size()));
+  at::set_num_threads(cfg.host_threads > 0 ? static_cast<int>(cfg.host_threads)
+                                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) /
+                                                             host_comm.local_size()));
   if (host_comm.rank() == 0)
     std::printf("zero SDXL trainer: %d ranks\n--- effective configuration ---\n%s---\n", host_comm.size(),
                 cfg.to_toml().c_str());

@@ -155,6 +155,7 @@ struct TrainConfig {
   std::string device = "cpu";          // cpu, cuda
   bool cudnn_benchmark = true;         // let cuDNN time its convolution algorithms once per shape
   bool tf32 = false;                   // TF32 tensor cores for fp32 matmuls and convolutions (false: strict fp32)
+  std::int64_t host_threads = 0;       // LibTorch's intra-op threads on each rank; 0: the host's cores / ranks on it
   std::string max_gpu_memory;          // e.g. "24GiB": behave like a card of this size; empty: no cap
   /// e.g. "12GiB" (--fit): before the engine is built, the memory planner
   /// chooses batch_size, accumulation (keeping the global batch), stage,

@@ -176,6 +176,10 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"device", "tf32", &c.tf32,
        "let fp32 matmuls (cuBLAS) and convolutions (cuDNN) use TF32 tensor cores on CUDA (10-bit mantissa "
        "products); false: strict fp32. Only fp32 computation is affected"},
+      {"device", "host_threads", &c.host_threads,
+       "LibTorch's intra-op threads on each rank's host (its CPU tensor operations: on a GPU, the micro-step's "
+       "inputs and exports; with device = cpu, the whole model); 0: the host's cores / ranks on it. The "
+       "engine's own CPU teams are offload_update_threads and offload_gradient_threads"},
       {"device", "max_gpu_memory", &c.max_gpu_memory,
        "cap GPU memory per rank, e.g. 24GiB (allocator limit + the engine's accounting); empty: no cap"},
       {"device", "fit", &c.fit,

@@ -181,6 +181,8 @@ void TrainConfig::validate() const {
              "deterministic = true and attention = \"cudnn\": cuDNN's attention has no deterministic backward; use "
              "attention = \"default\", \"flash\", \"efficient\" or \"math\"");
   ZERO_CHECK(profile_step == 0 || device == "cuda", "profile_step applies to device = \"cuda\" only");
+  ZERO_CHECK(host_threads >= 0 && host_threads <= 4096,
+             "host_threads ([device]) must be in [0, 4096] (0: the host's cores / ranks on it), got ", host_threads);
   ZERO_CHECK(!output_dir.empty(), "output_dir must not be empty");
   ZERO_CHECK(log_every >= 1, "log_every must be >= 1, got ", log_every);
   ZERO_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0, got ", checkpoint_every);

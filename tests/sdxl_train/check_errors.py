@@ -123,6 +123,8 @@ check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductio
                     r"reductions_in_flight \(\[zero\]\) must be in \[1, 1024\]")
 check_refused_early(train("prefetch", "--prefetch_units", "-1"), "prefetch_units -1",
                     r"prefetch_units \(\[zero\]\) must be in \[0, 64\]")
+check_refused_early(train("host-threads", "--host_threads", "-2"), "host_threads -2",
+                    r"host_threads \(\[device\]\) must be in \[0, 4096\] \(0: the host's cores / ranks on it\), got -2")
 unet = json.load(open(UNET_JSON))
 deep = dict(unet, layers_per_block=100000)
 path_deep = os.path.join(WORK, "layers_100000.json")

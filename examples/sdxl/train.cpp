@@ -304,11 +304,9 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   const TrainConfig& cfg = run.cfg;
   // Each input through its own slot of loop.inputs (pinned and non-blocking on a GPU).
   enum Slot : std::size_t { kLatents, kPrompt, kPooled, kTimeIds, kNoise, kTimesteps, kWeights };
-  auto up = [&](Slot slot, const torch::Tensor& host, torch::ScalarType type) {
-    return loop.inputs.up(slot, host, type);
-  };
   auto tensor_of = [&](Slot slot, const std::vector<float>& v, c10::IntArrayRef shape) {
-    return up(slot, torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32), run.model.compute_type);
+    return loop.inputs.up(slot, torch::from_blob(const_cast<float*>(v.data()), shape, torch::kFloat32),
+                          run.model.compute_type);
   };
   if (run.faults.slow_rank && run.faults.slow_rank->rank == run.host_comm.rank())
     std::this_thread::sleep_for(run.faults.slow_rank->delay);
@@ -332,14 +330,14 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
                                   cfg.noise_offset, generator));
   }
   torch::Tensor timesteps = torch::cat(times);
-  torch::Tensor noise = up(kNoise, torch::cat(noises), run.model.compute_type);
-  const torch::Tensor timesteps_on_device = up(kTimesteps, timesteps, torch::kLong);
+  torch::Tensor noise = loop.inputs.up(kNoise, torch::cat(noises), run.model.compute_type);
+  const torch::Tensor timesteps_on_device = loop.inputs.up(kTimesteps, timesteps, torch::kLong);
   torch::Tensor noisy = loop.schedule.add_noise(latents, noise, timesteps_on_device);
   torch::Tensor target = loop.schedule.target(loop.prediction, latents, noise, timesteps_on_device);
   torch::Tensor weights;
   if (cfg.min_snr_gamma > 0) weights = loop.schedule.min_snr_weights(loop.prediction, timesteps, cfg.min_snr_gamma);
   torch::Tensor timesteps_in = timesteps_on_device.to(torch::kFloat32);
-  if (weights.defined()) weights = up(kWeights, weights, torch::kFloat32);
+  if (weights.defined()) weights = loop.inputs.up(kWeights, weights, torch::kFloat32);
   UNet2DConditionModel& model = run.model.unet;
   zero::adapter::ShardedModel& sharded = run.sharded();
   torch::Tensor loss;

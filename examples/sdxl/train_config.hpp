@@ -67,6 +67,7 @@ struct TrainConfig {
   std::int64_t warmup_steps = 0;
   bool scale_lr = false;               // lr x (world size x batch x accumulation)
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2, momentum = 0.9;
+  std::string state_dtype = "fp32";    // the optimizer state's storage: fp32, or bf16 (stochastic rounding)
   double max_grad_norm = 1.0;          // 0: no clipping
   std::int64_t max_nonfinite_steps = 20;  // steps in a row with non-finite gradients before stopping (0: never)
   double ema_decay = 0;                // 0: no EMA

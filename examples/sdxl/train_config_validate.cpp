@@ -120,6 +120,7 @@ void TrainConfig::validate() const {
   ZERO_CHECK(eps > 0, "eps must be > 0, got ", eps);
   ZERO_CHECK(weight_decay >= 0, "weight_decay must be >= 0, got ", weight_decay);
   ZERO_CHECK(momentum >= 0 && momentum < 1, "momentum must be in [0, 1), got ", momentum);
+  one_of(state_dtype, {"fp32", "bf16"}, "state_dtype");
   ZERO_CHECK(max_grad_norm >= 0, "max_grad_norm must be >= 0, got ", max_grad_norm);
   ZERO_CHECK(max_nonfinite_steps >= 0 && max_nonfinite_steps <= std::numeric_limits<int>::max(),
              "max_nonfinite_steps must be in [0, ", std::numeric_limits<int>::max(), "] (0: never stop), got ",
@@ -220,7 +221,8 @@ zero::EngineOptions engine_options(const TrainConfig& cfg) {
   options.max_grad_norm = cfg.max_grad_norm;
   options.optimizer = {.kind = zero::parse_optimizer_kind(cfg.optimizer, "optimizer"), .lr = cfg.lr,
                        .beta1 = cfg.beta1, .beta2 = cfg.beta2, .eps = cfg.eps, .weight_decay = cfg.weight_decay,
-                       .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0};
+                       .momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0,
+                       .state_dtype = zero::parse_dtype(cfg.state_dtype, "[optimizer] state_dtype")};
   options.ema.decay = cfg.ema_decay;
   options.ema.every = static_cast<int>(cfg.ema_every);
   options.max_consecutive_nonfinite = static_cast<int>(cfg.max_nonfinite_steps);

@@ -31,14 +31,18 @@ struct NoCopy {};  // "no model copy" in the optimizer kernels' template
 
 // ---------------------------------------------------------------- optimizers
 
-template <OptimizerKind Kind, typename G, typename M>
+// S: the state's storage, float or __nv_bfloat16 (widened on load, rounded
+// stochastically on store with the bits of state_rounding_bits).
+template <OptimizerKind Kind, typename G, typename M, typename S>
 struct OptimizerOp {
   float* master;
   const G* grad;
-  float* state0;
-  float* state1;
+  S* state0;
+  S* state1;
   M* copy;
   StepScalars s;
+  std::uint64_t first_index;
+  static constexpr bool kBf16State = std::is_same_v<S, __nv_bfloat16>;
 
   __device__ __forceinline__ void update(float& p, float& m, float& v, float g) const {
     if constexpr (Kind == OptimizerKind::adamw) {
@@ -48,6 +52,29 @@ struct OptimizerOp {
     } else {
       sgd_element(p, state0 != nullptr ? &m : nullptr, g, s);
     }
+  }
+
+  // bf16 state: eight values rounded stochastically into one 16-byte word.
+  __device__ __forceinline__ static void store8_rounded(S* target, const float (&in)[kChunk],
+                                                        const std::uint32_t (&bits)[kChunk], int shift) {
+    std::uint32_t words[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      words[k] = static_cast<std::uint32_t>(bf16_round_stochastic(in[2 * k], bits[2 * k] >> shift)) |
+                 (static_cast<std::uint32_t>(bf16_round_stochastic(in[2 * k + 1], bits[2 * k + 1] >> shift)) << 16);
+    *reinterpret_cast<uint4*>(target) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  __device__ __forceinline__ static S round_state(float value, std::uint32_t bits, int shift) {
+    if constexpr (kBf16State) {
+      const std::uint16_t raw = bf16_round_stochastic(value, bits >> shift);
+      return *reinterpret_cast<const S*>(&raw);
+    } else {
+      return value;
+    }
+  }
+  __device__ __forceinline__ static float state_value(const S& value) {
+    if constexpr (kBf16State) return __bfloat162float(value);
+    else return value;
   }
 
   __device__ __forceinline__ void chunk(std::size_t i) const {
@@ -63,57 +90,76 @@ struct OptimizerOp {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) update(p[j], m[j], v[j], g[j]);
     store8(master + i, p);
-    if constexpr (Kind == OptimizerKind::sgd) {
-      if (state0 != nullptr) store8(state0 + i, m);
+    if constexpr (kBf16State) {
+      std::uint32_t bits[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) bits[j] = state_rounding_bits(first_index + i + j, s.rounding_key);
+      if (state0 != nullptr) store8_rounded(state0 + i, m, bits, 16);
+      if constexpr (Kind == OptimizerKind::adamw) store8_rounded(state1 + i, v, bits, 0);
     } else {
-      store8(state0 + i, m);
+      if constexpr (Kind == OptimizerKind::sgd) {
+        if (state0 != nullptr) store8(state0 + i, m);
+      } else {
+        store8(state0 + i, m);
+      }
+      if constexpr (Kind == OptimizerKind::adamw) store8(state1 + i, v);
     }
-    if constexpr (Kind == OptimizerKind::adamw) store8(state1 + i, v);
     if constexpr (!std::is_same_v<M, NoCopy>) store8(copy + i, p);
   }
 
   __device__ __forceinline__ void element(std::size_t i) const {
     float p = master[i], g = to_float(grad[i]), m = 0.0f, v = 0.0f;
-    if (state0 != nullptr) m = state0[i];
-    if constexpr (Kind == OptimizerKind::adamw) v = state1[i];
+    if (state0 != nullptr) m = state_value(state0[i]);
+    if constexpr (Kind == OptimizerKind::adamw) v = state_value(state1[i]);
     update(p, m, v, g);
     master[i] = p;
-    if (state0 != nullptr) state0[i] = m;
-    if constexpr (Kind == OptimizerKind::adamw) state1[i] = v;
+    const std::uint32_t bits = kBf16State ? state_rounding_bits(first_index + i, s.rounding_key) : 0u;
+    if (state0 != nullptr) state0[i] = round_state(m, bits, 16);
+    if constexpr (Kind == OptimizerKind::adamw) state1[i] = round_state(v, bits, 0);
     if constexpr (!std::is_same_v<M, NoCopy>) copy[i] = from_float<M>(p);
   }
 };
 
-template <OptimizerKind Kind, typename G, typename M>
+template <OptimizerKind Kind, typename G, typename M, typename S>
 void launch_optimizer(const StepScalars& scalars, const ShardUpdate& u, const LaunchTuning& tuning,
                       cudaStream_t stream) {
-  OptimizerOp<Kind, G, M> op{u.master,
-                             static_cast<const G*>(u.grad),
-                             u.state0,
-                             u.state1,
-                             static_cast<M*>(u.model_copy),
-                             scalars};
+  OptimizerOp<Kind, G, M, S> op{u.master,
+                                static_cast<const G*>(u.grad),
+                                static_cast<S*>(u.state0),
+                                static_cast<S*>(u.state1),
+                                static_cast<M*>(u.model_copy),
+                                scalars,
+                                u.first_index};
   const std::size_t copy_size = std::is_same_v<M, NoCopy> ? 1 : sizeof(M);
   const std::size_t head =
-      vector_head({{u.master, 4}, {u.grad, sizeof(G)}, {u.state0, 4}, {u.state1, 4},
+      vector_head({{u.master, 4}, {u.grad, sizeof(G)}, {u.state0, sizeof(S)}, {u.state1, sizeof(S)},
                    {std::is_same_v<M, NoCopy> ? nullptr : u.model_copy, copy_size}},
                   u.count);
   launch(op, u.count, head, tuning, stream);
 }
 
-template <OptimizerKind Kind>
-void dispatch_optimizer(const StepScalars& scalars, const ShardUpdate& u,
-                        const LaunchTuning& tuning, cudaStream_t stream) {
+template <OptimizerKind Kind, typename S>
+void dispatch_optimizer_state(const StepScalars& scalars, const ShardUpdate& u, const LaunchTuning& tuning,
+                              cudaStream_t stream) {
   with_type(u.grad_dtype, [&](auto grad_tag) {
     using G = decltype(grad_tag);
     if (u.model_copy == nullptr) {
-      launch_optimizer<Kind, G, NoCopy>(scalars, u, tuning, stream);
+      launch_optimizer<Kind, G, NoCopy, S>(scalars, u, tuning, stream);
     } else {
       with_type(u.model_dtype, [&](auto model_tag) {
-        launch_optimizer<Kind, G, decltype(model_tag)>(scalars, u, tuning, stream);
+        launch_optimizer<Kind, G, decltype(model_tag), S>(scalars, u, tuning, stream);
       });
     }
   });
+}
+
+template <OptimizerKind Kind>
+void dispatch_optimizer(const StepScalars& scalars, const ShardUpdate& u,
+                        const LaunchTuning& tuning, cudaStream_t stream) {
+  if (u.state_dtype == DType::bf16 && u.state0 != nullptr)
+    dispatch_optimizer_state<Kind, __nv_bfloat16>(scalars, u, tuning, stream);
+  else
+    dispatch_optimizer_state<Kind, float>(scalars, u, tuning, stream);
 }
 
 // ---------------------------------------------------------------- convert, accumulate, fill
@@ -249,6 +295,8 @@ void optimizer_step(const OptimizerOptions& options, const StepScalars& scalars,
              " needs state0");
   ZERO_CHECK(slots < 2 || u.state1 != nullptr, "optimizer_step: ", name_of(options.kind),
              " needs state1");
+  ZERO_CHECK(u.state_dtype == DType::fp32 || u.state_dtype == DType::bf16,
+             "optimizer_step: ShardUpdate.state_dtype must be fp32 or bf16, got ", name_of(u.state_dtype));
   ShardUpdate update = u;
   // SGD without momentum must not touch a state buffer it was given anyway.
   if (slots < 1) update.state0 = nullptr;

@@ -40,6 +40,8 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.grad_dtype = m_.gdt;
     u.state0 = m_.state0;
     u.state1 = m_.state1;
+    u.state_dtype = m_.sdt;
+    u.first_index = 0;
     u.model_copy = copy ? m_.params_full : nullptr;
     u.model_dtype = m_.pdt;
     u.count = m_.layout.padded_numel();
@@ -52,8 +54,10 @@ void DeviceUpdater::apply(const UpdateArgs& args, StepResult& result) {
     u.master = m_.master_slice(b);
     u.grad = m_.reduced_grad(b);
     u.grad_dtype = m_.gdt;
-    u.state0 = m_.state0 ? m_.state0 + buckets[b].shard_offset : nullptr;
-    u.state1 = m_.state1 ? m_.state1 + buckets[b].shard_offset : nullptr;
+    u.state0 = m_.state0 ? m_.state_slice(m_.state0, b) : nullptr;
+    u.state1 = m_.state1 ? m_.state_slice(m_.state1, b) : nullptr;
+    u.state_dtype = m_.sdt;
+    u.first_index = m_.own_offset(b);
     u.model_copy = copy ? m_.own_params(b) : nullptr;
     u.model_dtype = m_.pdt;
     u.count = buckets[b].shard_size;

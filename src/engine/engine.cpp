@@ -51,8 +51,10 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
       world(c.size()),
       pdt(o.param_dtype),
       gdt(o.effective_grad_dtype()),
+      sdt(o.optimizer.state_dtype),
       p_size(size_of(pdt)),
       g_size(size_of(gdt)),
+      s_size(size_of(sdt)),
       pool(b, cache_limit_of(l, o), /*keep_working_set=*/!o.buckets.cache_bytes.has_value(), block_sizes_of(l, o)) {
   // Persistent buffers, where the plan puts them (memory_model.cpp counts the same).
   const std::size_t full = layout.padded_numel(), shard = layout.shard_numel();
@@ -64,8 +66,12 @@ Engine::Impl::Impl(Communicator& c, Communicator* replicas, Backend& b, const Fl
     return on_host ? pool.allocate_host<float>(c, optimizer_bytes) : pool.allocate<float>(c, optimizer_bytes);
   };
   if (plan.has_master) master = allocate_state(kMaster, plan.optimizer_on_host);
-  if (plan.state_slots >= 1) state0 = allocate_state(kState, plan.optimizer_on_host);
-  if (plan.state_slots >= 2) state1 = allocate_state(kState, plan.optimizer_on_host);
+  const std::size_t state_bytes = plan.optimizer_elements(full) * s_size;
+  auto allocate_slot = [&] {
+    return plan.optimizer_on_host ? pool.allocate_host(kState, state_bytes) : pool.allocate(kState, state_bytes);
+  };
+  if (plan.state_slots >= 1) state0 = allocate_slot();
+  if (plan.state_slots >= 2) state1 = allocate_slot();
   if (plan.ema) ema = allocate_state(kEma, plan.ema_on_host);
   if (plan.full_grads) grads_full = pool.allocate(kGrads, full * g_size);
   if (plan.grad_shard_on_device()) grad_shard = pool.allocate(kGrads, shard * g_size);
@@ -153,9 +159,14 @@ Engine::Impl::~Impl() {
   if (plan.params_on_host) pool.free_host(param_shard, shard * p_size);
   else pool.free(param_shard, shard * p_size);
   const std::size_t optimizer_bytes = plan.optimizer_elements(full) * 4;
-  for (float* state : {master, state0, state1, ema}) {
+  for (float* state : {master, ema}) {
     if (state_on_host(state)) pool.free_host(state, optimizer_bytes);
     else pool.free(state, optimizer_bytes);
+  }
+  const std::size_t state_bytes = plan.optimizer_elements(full) * s_size;
+  for (std::byte* state : {state0, state1}) {
+    if (plan.optimizer_on_host) pool.free_host(state, state_bytes);
+    else pool.free(state, state_bytes);
   }
   pool.free(grads_full, full * g_size);
   pool.free(grad_shard, shard * g_size);
@@ -254,12 +265,12 @@ void Engine::Impl::settle_for_reading() {
   finish_param_gathers();
 }
 
-void Engine::Impl::state_to_host(void* host_dst, const float* state, std::size_t bytes) {
+void Engine::Impl::state_to_host(void* host_dst, const void* state, std::size_t bytes) {
   if (state_on_host(state)) backend.host_copy(host_dst, state, bytes);
   else backend.copy_to_host(host_dst, state, bytes);
 }
 
-void Engine::Impl::state_from_host(float* state, const void* host_src, std::size_t bytes) {
+void Engine::Impl::state_from_host(void* state, const void* host_src, std::size_t bytes) {
   if (state_on_host(state)) backend.host_copy(state, host_src, bytes);
   else backend.copy_from_host(state, host_src, bytes);
 }

@@ -53,15 +53,16 @@ struct Engine::Impl {
   const StagePlan plan;
   const int rank, world;
   const DType pdt, gdt;
-  const std::size_t p_size, g_size;
+  const DType sdt;  // the optimizer state's dtype (OptimizerOptions::state_dtype)
+  const std::size_t p_size, g_size, s_size;
   detail::BufferPool pool;
 
   // ---------------------------------------------------------------- persistent buffers
   std::byte* params_full = nullptr;  // stages 0-2
   std::byte* param_shard = nullptr;  // stage 3 (pinned host memory with offload.params)
   float* master = nullptr;           // full at stage 0, else a shard; null when params are fp32 on the device
-  float* state0 = nullptr;
-  float* state1 = nullptr;
+  std::byte* state0 = nullptr;       // the optimizer's state, in sdt (fp32 or bf16), laid out like master
+  std::byte* state1 = nullptr;
   float* ema = nullptr;              // like master, when EMA is on
   bool ema_initialized = false;
   std::byte* grads_full = nullptr;   // plan.full_grads
@@ -238,6 +239,10 @@ struct Engine::Impl {
   float* optimizer_slice(float* base, std::size_t b) const {
     return base + (plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset);
   }
+  /// This rank's slice of bucket b of an optimizer state buffer (sdt).
+  std::byte* state_slice(std::byte* base, std::size_t b) const {
+    return base + (plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset) * s_size;
+  }
   /// The fp32 master values of this rank's slice of bucket b (the parameters
   /// themselves when they are fp32 on the device).
   float* master_slice(std::size_t b) const {
@@ -253,16 +258,16 @@ struct Engine::Impl {
   /// Whether the fp32 state at `state` (in the master, the optimizer state or
   /// the EMA) lives in host memory: offloaded, and for the EMA not kept on
   /// the device (offload.ema_on_device).
-  bool state_on_host(const float* state) const {
-    const std::less<const float*> before;
+  bool state_on_host(const void* state) const {
+    const std::less<const void*> before;
     const bool in_ema = ema != nullptr && !before(state, ema) &&
                         before(state, ema + plan.optimizer_elements(layout.padded_numel()));
     return in_ema ? plan.ema_on_host : plan.optimizer_on_host;
   }
   // fp32 state slices to and from host memory: a plain copy when the state
   // lives there, a device transfer otherwise.
-  void state_to_host(void* host_dst, const float* state, std::size_t bytes);
-  void state_from_host(float* state, const void* host_src, std::size_t bytes);
+  void state_to_host(void* host_dst, const void* state, std::size_t bytes);
+  void state_from_host(void* state, const void* host_src, std::size_t bytes);
 };
 
 }  // namespace zero

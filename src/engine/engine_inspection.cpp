@@ -84,10 +84,10 @@ void Engine::visit_params(Weights which, const ParamVisitor& visit) {
 
 std::vector<std::vector<float>> Engine::gather_optimizer_state(int slot) {
   Impl& m = *impl_;
-  float* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;
+  std::byte* base = slot == 0 ? m.state0 : slot == 1 ? m.state1 : nullptr;
   ZERO_CHECK(base != nullptr, "gather_optimizer_state: the optimizer has no state tensor ", slot);
   std::vector<std::vector<float>> trainable =
-      gather_fp32_slices([&m, base](std::size_t b) -> const float* { return m.optimizer_slice(base, b); });
+      gather_slices([&m, base](std::size_t b) -> const void* { return m.state_slice(base, b); }, m.sdt);
   std::vector<std::vector<float>> out(params_.size());
   for (std::size_t p = 0; p < params_.size(); ++p)
     if (!params_[p].frozen) out[p] = std::move(trainable[index_in_layout_[p]]);
@@ -104,6 +104,11 @@ std::vector<std::vector<float>> Engine::in_engine_order(std::vector<std::vector<
 }
 
 std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<const float*(std::size_t)>& slice) {
+  return gather_slices([&slice](std::size_t b) -> const void* { return slice(b); }, DType::fp32);
+}
+
+std::vector<std::vector<float>> Engine::gather_slices(const std::function<const void*(std::size_t)>& slice,
+                                                      DType dtype) {
   Impl& m = *impl_;
   m.settle_for_reading();
   Backend& be = m.backend;
@@ -116,19 +121,27 @@ std::vector<std::vector<float>> Engine::gather_fp32_slices(const std::function<c
   // One bucket at a time through one bucket-sized device buffer: exports and
   // validation images read the weights mid-run, beside the training state,
   // and must not need a full fp32 copy of the model on the device.
-  float* gathered = static_cast<float*>(be.allocate(largest * 4));
+  // (bf16 optimizer state: gathered as bf16, widened on the host.)
+  const std::size_t size = size_of(dtype);
+  void* gathered = be.allocate(largest * size);
+  std::vector<std::byte> narrow(dtype == DType::fp32 ? 0 : largest * size);
   try {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
-      const float* own = slice(b);
-      m.gather_bucket(b, gathered, DType::fp32, own, m.state_on_host(own))->wait();
+      const void* own = slice(b);
+      m.gather_bucket(b, gathered, dtype, own, m.state_on_host(own))->wait();
       be.synchronize(be.comm_stream());
-      be.copy_to_host(host.data() + buckets[b].offset, gathered, buckets[b].padded * 4);
+      if (dtype == DType::fp32) {
+        be.copy_to_host(host.data() + buckets[b].offset, gathered, buckets[b].padded * 4);
+      } else {
+        be.copy_to_host(narrow.data(), gathered, buckets[b].padded * size);
+        cpu_convert(narrow.data(), dtype, host.data() + buckets[b].offset, DType::fp32, buckets[b].padded);
+      }
     }
   } catch (...) {
-    be.deallocate(gathered, largest * 4);
+    be.deallocate(gathered, largest * size);
     throw;
   }
-  be.deallocate(gathered, largest * 4);
+  be.deallocate(gathered, largest * size);
   return split_params(layout_, host);
 }
 

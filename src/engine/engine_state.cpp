@@ -91,10 +91,23 @@ void Engine::save_state(const std::string& path, const std::vector<std::pair<std
       m.state_to_host(host.data() + layout_.buckets()[b].shard_offset, slice_of(b), layout_.buckets()[b].shard_size * 4);
     return host;
   };
+  // The optimizer state is written as fp32 whatever its dtype in memory (bf16
+  // widens exactly): the file format stays one, and a run may resume with
+  // the other state dtype.
+  auto collect_state = [&](std::byte* base) {
+    if (m.sdt == DType::fp32) return collect([&](std::size_t b) { return m.state_slice(base, b); });
+    std::vector<std::byte> raw(shard * m.s_size);
+    for (std::size_t b = 0; b < layout_.buckets().size(); ++b)
+      m.state_to_host(raw.data() + layout_.buckets()[b].shard_offset * m.s_size, m.state_slice(base, b),
+                      layout_.buckets()[b].shard_size * m.s_size);
+    std::vector<float> host(shard);
+    cpu_convert(raw.data(), m.sdt, host.data(), DType::fp32, shard);
+    return host;
+  };
   std::vector<std::pair<std::string, std::vector<float>>> tensors;
   tensors.emplace_back("master", collect([&](std::size_t b) { return m.master_slice(b); }));
-  if (m.state0) tensors.emplace_back("state0", collect([&](std::size_t b) { return m.optimizer_slice(m.state0, b); }));
-  if (m.state1) tensors.emplace_back("state1", collect([&](std::size_t b) { return m.optimizer_slice(m.state1, b); }));
+  if (m.state0) tensors.emplace_back("state0", collect_state(m.state0));
+  if (m.state1) tensors.emplace_back("state1", collect_state(m.state1));
   if (m.ema && m.ema_initialized)
     tensors.emplace_back("ema", collect([&](std::size_t b) { return m.optimizer_slice(m.ema, b); }));
   if (m.has_frozen()) tensors.emplace_back("frozen", own_frozen_values(m));
@@ -240,20 +253,39 @@ void Engine::restore_state(const std::array<const float*, 4>& tensors, const std
   be.synchronize(be.compute_stream());
   const auto& buckets = layout_.buckets();
   // Own slices first; stage 0 then gathers every rank's slices into its full buffers.
-  auto restore = [&](const float* host, const std::function<float*(std::size_t)>& slice, float* full_base) {
+  // host: fp32 values of this rank's shard, stored as `dtype` (the optimizer
+  // state's may be bf16: rounded to nearest, exact for values it wrote).
+  auto restore_as = [&](DType dtype, const float* host, const std::function<void*(std::size_t)>& slice,
+                        void* full_base) {
+    const std::size_t size = size_of(dtype);
+    std::vector<std::byte> narrowed;
+    const std::byte* source = reinterpret_cast<const std::byte*>(host);
+    if (dtype != DType::fp32) {
+      narrowed.resize(layout_.shard_numel() * size);
+      cpu_convert(host, DType::fp32, narrowed.data(), dtype, layout_.shard_numel());
+      source = narrowed.data();
+    }
     for (std::size_t b = 0; b < buckets.size(); ++b)
-      m.state_from_host(slice(b), host + buckets[b].shard_offset, buckets[b].shard_size * 4);
+      m.state_from_host(slice(b), source + buckets[b].shard_offset * size, buckets[b].shard_size * size);
     if (m.plan.optimizer_full && full_base) {
-      auto own = [&](std::size_t b) -> const void* { return full_base + m.own_offset(b); };
-      for (auto& w : m.gather_buckets(full_base, DType::fp32, own, false)) w->wait();
+      auto own = [&](std::size_t b) -> const void* {
+        return static_cast<const std::byte*>(full_base) + m.own_offset(b) * size;
+      };
+      for (auto& w : m.gather_buckets(full_base, dtype, own, false)) w->wait();
       be.synchronize(be.comm_stream());
     }
+  };
+  auto restore = [&](const float* host, const std::function<float*(std::size_t)>& slice, float* full_base) {
+    restore_as(DType::fp32, host, slice, full_base);
+  };
+  auto restore_state_slot = [&](const float* host, std::byte* base) {
+    restore_as(m.sdt, host, [&](std::size_t b) -> void* { return m.state_slice(base, b); }, base);
   };
   const bool fp32 = m.pdt == DType::fp32;
   restore(master, [&](std::size_t b) { return m.master_slice(b); },
           fp32 && !m.master ? (m.plan.optimizer_full ? reinterpret_cast<float*>(m.params_full) : nullptr) : m.master);
-  if (m.state0) restore(state0, [&](std::size_t b) { return m.optimizer_slice(m.state0, b); }, m.state0);
-  if (m.state1) restore(state1, [&](std::size_t b) { return m.optimizer_slice(m.state1, b); }, m.state1);
+  if (m.state0) restore_state_slot(state0, m.state0);
+  if (m.state1) restore_state_slot(state1, m.state1);
   if (m.ema && ema) {
     restore(ema, [&](std::size_t b) { return m.optimizer_slice(m.ema, b); }, m.ema);
     m.ema_initialized = true;

@@ -21,7 +21,8 @@ MemoryByCategory model_state_bytes(const StagePlan& plan, std::size_t padded_num
   m.grads = (plan.full_grads ? full * g : 0) + (plan.grad_shard_on_device() ? shard * g : 0);
   if (!plan.optimizer_on_host) {
     m.master = plan.has_master ? optimizer : 0;
-    m.optimizer_state = static_cast<std::size_t>(plan.state_slots) * optimizer;
+    m.optimizer_state =
+        static_cast<std::size_t>(plan.state_slots) * plan.optimizer_elements(padded_numel) * plan.state_bytes();
   }
   if (plan.ema && !plan.ema_on_host) m.ema = optimizer;
   return m;
@@ -38,7 +39,7 @@ MemoryByCategory host_model_state_bytes(const StagePlan& plan, std::size_t padde
   const std::size_t shard = padded_numel / static_cast<std::size_t>(plan.world_size);
   const std::size_t frozen_shard = frozen_padded_numel / static_cast<std::size_t>(plan.world_size);
   h.master = shard * 4;
-  h.optimizer_state = static_cast<std::size_t>(plan.state_slots) * shard * 4;
+  h.optimizer_state = static_cast<std::size_t>(plan.state_slots) * shard * plan.state_bytes();
   h.ema = plan.ema && plan.ema_on_host ? shard * 4 : 0;
   h.params = plan.params_on_host ? (shard + frozen_shard) * plan.param_bytes() : 0;
   // The gradient shard copied down, and (unless the CPU writes offloaded

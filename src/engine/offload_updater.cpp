@@ -101,8 +101,10 @@ void OffloadUpdater::update_bucket(std::size_t b, const UpdateArgs& args, const 
   u.master = m_.master + at;
   u.grad = grads + at * m_.g_size;
   u.grad_dtype = m_.gdt;
-  u.state0 = m_.state0 ? m_.state0 + at : nullptr;
-  u.state1 = m_.state1 ? m_.state1 + at : nullptr;
+  u.state0 = m_.state0 ? m_.state_slice(m_.state0, b) : nullptr;
+  u.state1 = m_.state1 ? m_.state_slice(m_.state1, b) : nullptr;
+  u.state_dtype = m_.sdt;
+  u.first_index = m_.own_offset(b);
   u.model_copy = copy ? copy + at * m_.p_size : nullptr;  // none: the device rounds the master sent up
   u.model_dtype = m_.pdt;
   u.count = bucket.shard_size;

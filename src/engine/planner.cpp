@@ -274,8 +274,18 @@ double Plan::seconds_per_step() const {
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;
   gpu *= input.engine.accumulation_steps;
-  if (!input.engine.offload.optimizer)
-    gpu += s.optimizer_seconds_per_step * size / (input.engine.stage == 0 ? 1.0 : input.world_size);
+  if (!input.engine.offload.optimizer) {
+    // The constant was measured with fp32 state; the update is a stream at
+    // the memory's ceiling, so bf16 state scales it by the bytes it moves
+    // (master 8, gradient and copy, two per state slot, the EMA's 8).
+    const EngineOptions& e = input.engine;
+    const double slots = e.optimizer.state_slots();
+    const double common = 8.0 + static_cast<double>(size_of(e.effective_grad_dtype())) +
+                          static_cast<double>(size_of(e.param_dtype)) + (e.ema.enabled() ? 8.0 / e.ema.every : 0.0);
+    const double state_scale =
+        (common + 2.0 * slots * static_cast<double>(size_of(e.optimizer.state_dtype))) / (common + 8.0 * slots);
+    gpu += s.optimizer_seconds_per_step * size * state_scale / (input.engine.stage == 0 ? 1.0 : input.world_size);
+  }
   double offload = 0, gathers = 0, host_additions = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
@@ -417,6 +427,7 @@ nlohmann::json plan_json(const Plan& p) {
                  {"grad_dtype", std::string(name_of(in.engine.effective_grad_dtype()))},
                  {"optimizer", std::string(name_of(in.engine.optimizer.kind))},
                  {"optimizer_state_slots", in.engine.optimizer.state_slots()},
+                 {"optimizer_state_dtype", std::string(name_of(in.engine.optimizer.state_dtype))},
                  {"ema", in.engine.ema.enabled()},
                  {"offload_optimizer", in.engine.offload.optimizer},
                  {"offload_params", in.engine.offload.params},

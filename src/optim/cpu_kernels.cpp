@@ -73,15 +73,20 @@ inline float load_grad(const void* data, std::size_t i) {
 }
 
 // ModelDType: the copy to write, or fp32 meaning "no copy".
-template <OptimizerKind Kind, DType GradDType, DType ModelDType, bool HasCopy, bool HasMomentum, bool HasEma>
+// Bf16State: state0/state1 hold bf16, widened on load and rounded
+// stochastically on store (optimizer.hpp); the math in between is the same.
+template <OptimizerKind Kind, DType GradDType, DType ModelDType, bool HasCopy, bool HasMomentum, bool HasEma,
+          bool Bf16State = false>
 inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::size_t begin,
                          std::size_t end) {
   // The scalars in a local copy: read through the reference, they could
   // alias the spans the loop writes (GCC would reload them per element).
   const StepScalars s = scalars;
+  using State = std::conditional_t<Bf16State, std::uint16_t, float>;
   float* __restrict master = u.master;
-  float* __restrict m = u.state0;
-  float* __restrict v = u.state1;
+  State* __restrict m = static_cast<State*>(u.state0);
+  State* __restrict v = static_cast<State*>(u.state1);
+  const std::uint64_t first_index = u.first_index;
   float* __restrict ema = u.ema;
   const Storage<GradDType>* __restrict grad = static_cast<const Storage<GradDType>*>(u.grad);
   Storage<ModelDType>* __restrict copy = static_cast<Storage<ModelDType>*>(u.model_copy);
@@ -95,7 +100,21 @@ inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::
   for (std::size_t i = begin; i < end; ++i) {
     const float g = load_value<GradDType>(grad, i);
     float p = master[i];
-    if constexpr (Kind == OptimizerKind::adamw) {
+    if constexpr (Bf16State) {
+      static_assert(HasMomentum, "bf16 state needs a state tensor");
+      float mi = load_bf16(m[i]), vi = 0.0f;
+      if constexpr (Kind == OptimizerKind::adamw) {
+        vi = load_bf16(v[i]);
+        adamw_element(p, mi, vi, g, s);
+      } else if constexpr (Kind == OptimizerKind::lion) {
+        lion_element(p, mi, g, s);
+      } else {
+        sgd_element(p, &mi, g, s);
+      }
+      const std::uint32_t bits = state_rounding_bits(first_index + i, s.rounding_key);
+      m[i] = bf16_round_stochastic(mi, bits >> 16);
+      if constexpr (Kind == OptimizerKind::adamw) v[i] = bf16_round_stochastic(vi, bits);
+    } else if constexpr (Kind == OptimizerKind::adamw) {
       adamw_element(p, m[i], v[i], g, s);
     } else if constexpr (Kind == OptimizerKind::lion) {
       lion_element(p, m[i], g, s);
@@ -117,7 +136,15 @@ void dispatch_range(const StepScalars& s, const ShardUpdate& u, std::size_t begi
   const bool copy = u.model_copy != nullptr;
   const bool momentum = u.state0 != nullptr;
   // The EMA is the innermost choice: every variant exists with and without it.
+  // bf16 state: never with the EMA in the pass (cpu_optimizer_step refuses it).
+  const bool bf16_state = u.state_dtype == DType::bf16;
   auto run = [&]<DType G, DType M, bool Copy, bool Momentum>() {
+    if constexpr (Momentum) {
+      if (bf16_state) {
+        update_range<Kind, G, M, Copy, true, false, true>(s, u, begin, end);
+        return;
+      }
+    }
     if (u.ema) update_range<Kind, G, M, Copy, Momentum, true>(s, u, begin, end);
     else update_range<Kind, G, M, Copy, Momentum, false>(s, u, begin, end);
   };
@@ -163,13 +190,24 @@ ZERO_MULTIVERSION void sgd_chunk(const StepScalars& s, const ShardUpdate& u, std
 // dtype.hpp, no templates, no threads.
 void reference_step(const OptimizerOptions& o, const StepScalars& s, const ShardUpdate& u) {
   const float decay = static_cast<float>(u.ema_decay), one_minus_decay = static_cast<float>(1.0 - u.ema_decay);
+  const bool bf16_state = u.state_dtype == DType::bf16;
   for (std::size_t i = 0; i < u.count; ++i) {
     const float g = load_as_float(u.grad, i, u.grad_dtype);
     float p = u.master[i];
+    float m = u.state0 ? load_as_float(u.state0, i, u.state_dtype) : 0.0f;
+    float v = u.state1 ? load_as_float(u.state1, i, u.state_dtype) : 0.0f;
     switch (o.kind) {
-      case OptimizerKind::adamw: adamw_element(p, u.state0[i], u.state1[i], g, s); break;
-      case OptimizerKind::lion: lion_element(p, u.state0[i], g, s); break;
-      case OptimizerKind::sgd: sgd_element(p, u.state0 ? &u.state0[i] : nullptr, g, s); break;
+      case OptimizerKind::adamw: adamw_element(p, m, v, g, s); break;
+      case OptimizerKind::lion: lion_element(p, m, g, s); break;
+      case OptimizerKind::sgd: sgd_element(p, u.state0 ? &m : nullptr, g, s); break;
+    }
+    if (bf16_state) {
+      const std::uint32_t bits = state_rounding_bits(u.first_index + i, s.rounding_key);
+      if (u.state0) static_cast<std::uint16_t*>(u.state0)[i] = bf16_round_stochastic(m, bits >> 16);
+      if (u.state1) static_cast<std::uint16_t*>(u.state1)[i] = bf16_round_stochastic(v, bits);
+    } else {
+      if (u.state0) static_cast<float*>(u.state0)[i] = m;
+      if (u.state1) static_cast<float*>(u.state1)[i] = v;
     }
     u.master[i] = p;
     if (u.model_copy) store_from_float(u.model_copy, i, u.model_dtype, p);
@@ -255,15 +293,22 @@ void cpu_optimizer_step(const OptimizerOptions& options, const StepScalars& scal
   const int slots = options.state_slots();
   ZERO_CHECK(slots < 1 || update.state0, "ShardUpdate: ", name_of(options.kind), " needs state0");
   ZERO_CHECK(slots < 2 || update.state1, "ShardUpdate: ", name_of(options.kind), " needs state1");
+  ZERO_CHECK(update.state_dtype == DType::fp32 || update.state_dtype == DType::bf16,
+             "ShardUpdate.state_dtype must be fp32 or bf16, got ", name_of(update.state_dtype));
+  ZERO_CHECK(update.state_dtype == DType::fp32 || update.ema == nullptr,
+             "ShardUpdate: the EMA in the update's pass runs with fp32 state only (state_dtype is bf16)");
+  // A state buffer the optimizer has no use for (SGD without momentum, Lion's
+  // second) is never touched, even when given.
+  ShardUpdate u = update;
+  if (slots < 1) u.state0 = nullptr;
+  if (slots < 2) u.state1 = nullptr;
   if (kernel == CpuKernel::reference) {
-    reference_step(options, scalars, update);
+    reference_step(options, scalars, u);
     return;
   }
   RangeFn fn = options.kind == OptimizerKind::adamw ? adamw_chunk
                : options.kind == OptimizerKind::lion ? lion_chunk
                                                      : sgd_chunk;
-  ShardUpdate u = update;
-  if (options.kind == OptimizerKind::sgd && slots == 0) u.state0 = nullptr;
   // The update is element-wise: any cut gives the same bits, so it is cut
   // finer than the sums' fixed chunks. A small run (a parameter group's
   // biases in a bucket) is then spread over the cores instead of running on

@@ -279,6 +279,78 @@ TEST_CASE("kernels: optimizer grid-stride loop with small grids") {
   }
 }
 
+TEST_CASE("kernels: bf16 optimizer state, the same bits as the host kernel, at any offset and cut") {
+  // The stochastic rounding's bits come from each element's index in the
+  // full buffer (first_index): the device draws what the host draws, in
+  // chunks of 8 and in the one-at-a-time head and tail alike.
+  std::mt19937 rng(static_cast<std::uint32_t>(fresh_seed()));
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> positive(1e-6f, 1e-2f);
+  const std::size_t n = quick() ? 4099 : (std::size_t{1} << 20) + 13;
+  for (const OptimizerCase& opt : optimizer_cases()) {
+    OptimizerOptions o = opt.options;
+    const int slots = o.state_slots();
+    if (slots == 0) continue;
+    o.state_dtype = DType::bf16;
+    for (std::size_t shift : {std::size_t{0}, std::size_t{3}}) {  // 3: a head done one element at a time
+      CAPTURE(std::string(opt.name));
+      CAPTURE(shift);
+      std::vector<float> master(n);
+      std::vector<std::uint16_t> grad(n), m(n), v(n), copy(n, 0xffff);
+      for (std::size_t i = 0; i < n; ++i) {
+        master[i] = normal(rng);
+        store_from_float(grad.data(), i, DType::bf16, 0.5f * normal(rng));
+        m[i] = bf16_round_stochastic(0.1f * normal(rng), 0x8000);
+        v[i] = bf16_round_stochastic(positive(rng), 0x8000);
+      }
+      DeviceBuffer d_master((n + shift) * 4), d_grad((n + shift) * 2), d_m((n + shift) * 2), d_v((n + shift) * 2),
+          d_copy((n + shift) * 2);
+      d_master.upload(master.data(), n * 4, shift * 4);
+      d_grad.upload(grad.data(), n * 2, shift * 2);
+      d_m.upload(m.data(), n * 2, shift * 2);
+      d_v.upload(v.data(), n * 2, shift * 2);
+      auto at = [&](DeviceBuffer& b, std::size_t size) { return static_cast<unsigned char*>(b.data()) + shift * size; };
+      ShardUpdate device;
+      device.master = reinterpret_cast<float*>(at(d_master, 4));
+      device.grad = at(d_grad, 2);
+      device.grad_dtype = DType::bf16;
+      device.state0 = at(d_m, 2);
+      device.state1 = slots >= 2 ? at(d_v, 2) : nullptr;
+      device.state_dtype = DType::bf16;
+      device.model_copy = at(d_copy, 2);
+      device.model_dtype = DType::bf16;
+      device.count = n;
+      device.first_index = (std::uint64_t{1} << 32) - 517;  // crosses 2^32
+      ShardUpdate host = device;
+      host.master = master.data();
+      host.grad = grad.data();
+      host.state0 = m.data();
+      host.state1 = slots >= 2 ? v.data() : nullptr;
+      host.model_copy = copy.data();
+      for (std::int64_t step = 1; step <= 2; ++step) {
+        const StepScalars s = make_step_scalars(o, step, o.lr, 0.5);
+        const std::size_t cut = 1001;  // two launches on the device, one pass on the host
+        gpu::optimizer_step(o, s, device.slice(0, cut), nullptr);
+        gpu::optimizer_step(o, s, device.slice(cut, n - cut), nullptr);
+        cpu_optimizer_step(o, s, host, CpuKernel::reference);
+      }
+      ZERO_CHECK_CUDA(cudaDeviceSynchronize());
+      std::vector<float> got_master(n);
+      std::vector<std::uint16_t> got_m(n), got_v(n), got_copy(n);
+      d_master.download(got_master.data(), n * 4, shift * 4);
+      d_m.download(got_m.data(), n * 2, shift * 2);
+      d_v.download(got_v.data(), n * 2, shift * 2);
+      d_copy.download(got_copy.data(), n * 2, shift * 2);
+      CHECK(got_master == master);
+      CHECK(got_m == m);
+      if (slots >= 2) CHECK(got_v == v);
+      CHECK(got_copy == copy);
+      CHECK(d_m.guards_intact(shift * 2, n * 2));
+      if (slots >= 2) CHECK(d_v.guards_intact(shift * 2, n * 2));
+    }
+  }
+}
+
 TEST_CASE("kernels: optimizer_step validates its input") {
   OptimizerOptions adamw;
   const StepScalars s = make_step_scalars(adamw, 1, adamw.lr, 1.0);

@@ -193,6 +193,51 @@ TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
   }
 }
 
+TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage; written as fp32, read by either state dtype") {
+  MpiCommunicator comm;
+  auto backend = make_host_backend();
+  double pid = ::getpid();
+  comm.all_reduce_host_f64(&pid, 1, ReduceOp::max);
+  const std::string tag = "bf16state" + std::to_string(static_cast<long>(pid));
+  auto bf16_options = [](int stage) {
+    EngineOptions o = options(stage, DType::bf16);
+    o.optimizer.state_dtype = DType::bf16;
+    return o;
+  };
+  for (int save_stage : {0, 2}) {
+    CAPTURE(save_stage);
+    Engine straight(units(false), bf16_options(save_stage), comm, *backend);
+    init(straight);
+    for (int s = 0; s < 3; ++s) train_step(straight, s, comm.rank());
+    const std::string path = shard_path(tag, comm.rank());
+    straight.save_state(path);
+    const NamedState at_save = named_state(straight);
+    for (int s = 3; s < 6; ++s) train_step(straight, s, comm.rank());
+    const NamedState want = named_state(straight);
+    // Every moment is a bf16 value (widened exactly).
+    for (const ByName* moments : {&at_save.m, &at_save.v})
+      for (const auto& [name, values] : *moments)
+        for (float x : values) REQUIRE(bf16_state_to_float(bf16_round_stochastic(x, 0)) == x);
+    // bf16 state again, at the next stage: the same bits onward.
+    {
+      Engine resumed(units(false), bf16_options(save_stage + 1), comm, *backend);
+      testing::init_random_params(resumed, 99);
+      resumed.load_state(path);
+      check_same_state(named_state(resumed), at_save);
+      for (int s = 3; s < 6; ++s) train_step(resumed, s, comm.rank());
+      check_same_state(named_state(resumed), want);
+    }
+    // fp32 state from the same file: the moments as they were, then fp32 onward.
+    {
+      Engine widened(units(false), options(save_stage, DType::bf16), comm, *backend);
+      testing::init_random_params(widened, 99);
+      widened.load_state(path);
+      check_same_state(named_state(widened), at_save);
+    }
+    std::filesystem::remove(path);
+  }
+}
+
 TEST_CASE("the EMA follows its definition with warm-up") {
   MpiCommunicator comm;
   auto backend = make_host_backend();

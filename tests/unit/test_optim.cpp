@@ -318,6 +318,149 @@ TEST_CASE("cpu_accumulate: bit for bit the scalar add and rounding, every dtype,
   }
 }
 
+// bf16 optimizer state (OptimizerOptions::state_dtype): the rounding, the
+// kernels' agreement, and that the moments keep moving where round-to-nearest
+// would freeze them.
+TEST_CASE("bf16_round_stochastic: rounds up with the dropped fraction's probability, exactly; keeps specials") {
+  // 1 + k/4 of a bf16 ulp (2^-7 at 1.0): over all 2^16 random values exactly
+  // k/4 of them round up.
+  for (int k = 0; k < 4; ++k) {
+    const float x = 1.0f + static_cast<float>(k) * 0.25f * 0x1p-7f;
+    int up = 0;
+    for (std::uint32_t r = 0; r < 65536; ++r) {
+      const std::uint16_t b = bf16_round_stochastic(x, r);
+      REQUIRE((b == 0x3f80 || b == 0x3f81));
+      up += b == 0x3f81;
+    }
+    CHECK(up == k * 16384);
+  }
+  // Negative values round away from zero with the same probability (the
+  // magnitude's bits are what is rounded).
+  CHECK(bf16_round_stochastic(-1.0f - 0x1p-8f, 0x8000) == 0xbf81);
+  CHECK(bf16_round_stochastic(-1.0f - 0x1p-8f, 0x7fff) == 0xbf80);
+  // Only the low 16 bits of the random word count.
+  CHECK(bf16_round_stochastic(1.0f + 0x1p-8f, 0xffff0000u) == 0x3f80);
+  CHECK(bf16_state_to_float(bf16_round_stochastic(3.5f, 0xffff)) == 3.5f);  // exact values stay
+  CHECK(bf16_round_stochastic(std::numeric_limits<float>::infinity(), 0xffff) == 0x7f80);
+  CHECK(bf16_round_stochastic(-std::numeric_limits<float>::infinity(), 0xffff) == 0xff80);
+  CHECK(std::isnan(bf16_state_to_float(bf16_round_stochastic(std::nanf(""), 0xffff))));
+  // The random bits differ by element and by step.
+  CHECK(state_rounding_bits(0, 1) != state_rounding_bits(1, 1));
+  CHECK(state_rounding_bits(5, rounding_key_of(1)) != state_rounding_bits(5, rounding_key_of(2)));
+  CHECK(state_rounding_bits(5, 7) != state_rounding_bits(5 + (std::uint64_t{1} << 32), 7));
+}
+
+TEST_CASE("bf16 optimizer state: vectorized == reference bit for bit, at any cut; the index draws the bits") {
+  std::mt19937 rng(4242);
+  for (OptimizerOptions o : all_optimizers()) {
+    const int slots = o.state_slots();
+    if (slots == 0) continue;
+    o.state_dtype = DType::bf16;
+    for (DType grad_dtype : {DType::fp32, DType::bf16}) {
+      const std::size_t n = 65536 + 13;  // several chunks, spread over the threads
+      CAPTURE(name_of(o.kind));
+      CAPTURE(grad_dtype);
+      Arrays base = random_arrays(n, grad_dtype, rng);
+      std::vector<std::uint16_t> m16(n), v16(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        m16[i] = bf16_round_stochastic(base.m[i], 0x8000);
+        v16[i] = bf16_round_stochastic(base.v[i], 0x8000);
+      }
+      struct Run {
+        Arrays a;
+        std::vector<std::uint16_t> m, v;
+      };
+      Run whole{base, m16, v16}, reference = whole, cut = whole, shifted = whole;
+      auto update_of = [&](Run& run, std::uint64_t first_index) {
+        ShardUpdate u = view(run.a, grad_dtype, DType::bf16, true, slots);
+        u.state0 = run.m.data();
+        u.state1 = slots >= 2 ? run.v.data() : nullptr;
+        u.state_dtype = DType::bf16;
+        u.first_index = first_index;
+        return u;
+      };
+      const std::uint64_t first = (std::uint64_t{1} << 32) - 1000;  // crosses 2^32 inside the span
+      for (std::int64_t step = 1; step <= 3; ++step) {
+        const StepScalars s = make_step_scalars(o, step, o.lr, 0.5);
+        cpu_optimizer_step(o, s, update_of(whole, first), CpuKernel::vectorized);
+        cpu_optimizer_step(o, s, update_of(reference, first), CpuKernel::reference);
+        const ShardUpdate u = update_of(cut, first);
+        const std::size_t at = 4096 + 7 * static_cast<std::size_t>(step);
+        cpu_optimizer_step(o, s, u.slice(at, n - at), CpuKernel::vectorized);
+        cpu_optimizer_step(o, s, u.slice(0, at), CpuKernel::vectorized);
+        cpu_optimizer_step(o, s, update_of(shifted, first + 1), CpuKernel::vectorized);
+      }
+      REQUIRE(whole.a.master == reference.a.master);
+      REQUIRE(whole.m == reference.m);
+      REQUIRE(whole.v == reference.v);
+      REQUIRE(whole.a.copy16 == reference.a.copy16);
+      REQUIRE(cut.a.master == whole.a.master);
+      REQUIRE(cut.m == whole.m);
+      REQUIRE(cut.v == whole.v);
+      // Other indices, other rounding: some state bits differ.
+      CHECK(shifted.m != whole.m);
+      // The state moved (the update wrote it), and stayed near fp32 state's.
+      CHECK(whole.m != m16);
+      Arrays fp32 = base;
+      for (std::size_t i = 0; i < n; ++i) {
+        fp32.m[i] = bf16_state_to_float(m16[i]);
+        fp32.v[i] = bf16_state_to_float(v16[i]);
+      }
+      OptimizerOptions o32 = o;
+      o32.state_dtype = DType::fp32;
+      for (std::int64_t step = 1; step <= 3; ++step)
+        cpu_optimizer_step(o32, make_step_scalars(o32, step, o32.lr, 0.5),
+                           view(fp32, grad_dtype, DType::bf16, true, slots));
+      // In the max norm (a moment passing near zero carries the absolute
+      // error of the larger terms it was made of): each of the three
+      // roundings adds under one bf16 ulp, 2^-7 relative at most.
+      double diff = 0, scale = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        diff = std::max(diff, std::fabs(static_cast<double>(bf16_state_to_float(whole.m[i])) - fp32.m[i]));
+        scale = std::max(scale, std::fabs(static_cast<double>(fp32.m[i])));
+      }
+      MESSAGE(name_of(o.kind), ": bf16 state's m within ", diff / scale, " of fp32 state's (max norm)");
+      CHECK(diff / scale < 3 * 0x1p-7);
+    }
+  }
+}
+
+TEST_CASE("bf16 AdamW state keeps decaying where round-to-nearest would freeze it") {
+  // v <- 0.999 v with zero gradients: 0.1% a step, under half a bf16 ulp, so
+  // round-to-nearest leaves v where it is; stochastic rounding follows
+  // 0.999^t on average.
+  OptimizerOptions o;
+  o.lr = 1e-3;
+  o.weight_decay = 0;
+  o.state_dtype = DType::bf16;
+  const std::size_t n = 8192;
+  std::vector<float> master(n, 1.0f), grad(n, 0.0f);
+  std::vector<std::uint16_t> m(n, 0), v(n, bf16_round_stochastic(1e-2f, 0x8000));
+  const double v0 = bf16_state_to_float(v[0]);
+  ShardUpdate u;
+  u.master = master.data();
+  u.grad = grad.data();
+  u.state0 = m.data();
+  u.state1 = v.data();
+  u.state_dtype = DType::bf16;
+  u.count = n;
+  const int steps = 300;
+  for (int step = 1; step <= steps; ++step) cpu_optimizer_step(o, make_step_scalars(o, step, o.lr, 1.0), u);
+  double mean = 0;
+  for (std::uint16_t b : v) mean += bf16_state_to_float(b);
+  mean /= static_cast<double>(n);
+  const double expected = v0 * std::pow(0.999, steps);  // 0.741 v0
+  MESSAGE("v after ", steps, " zero-gradient steps: ", mean / v0, " of v0 (fp32 state: ", expected / v0, ")");
+  CHECK(std::fabs(mean - expected) < 0.01 * expected);
+  // And the fp16 dtype is refused for the state.
+  OptimizerOptions bad = o;
+  bad.state_dtype = DType::fp16;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("state_dtype must be fp32 or bf16"), InvalidArgument);
+  u.state_dtype = DType::fp16;
+  CHECK_THROWS_WITH_AS(cpu_optimizer_step(o, make_step_scalars(o, 1, o.lr, 1.0), u),
+                       doctest::Contains("state_dtype must be fp32 or bf16"), InvalidArgument);
+}
+
 TEST_CASE("kernels reject missing state with a clear message") {
   OptimizerOptions o;
   std::vector<float> p(4, 1.0f), g(4, 1.0f);

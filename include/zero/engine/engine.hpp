@@ -346,6 +346,8 @@ class Engine {
   void restore_state(const std::array<const float*, 4>& tensors, const std::vector<float>& frozen_shard,
                      const std::string& state_json, const std::string& path);
   std::vector<std::vector<float>> gather_fp32_slices(const std::function<const float*(std::size_t)>& slice);
+  /// The same for slices stored as `dtype` (widened to float on the host).
+  std::vector<std::vector<float>> gather_slices(const std::function<const void*(std::size_t)>& slice, DType dtype);
   /// Trainable parameters (layout order) widened, frozen ones from their own
   /// buffers, back in the engine's order (collective).
   std::vector<std::vector<float>> in_engine_order(std::vector<std::vector<float>> trainable);

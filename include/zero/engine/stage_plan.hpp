@@ -76,6 +76,7 @@ struct StagePlan {
   /// An fp32 master copy exists (model dtype below fp32, or offloaded).
   bool has_master = false;
   int state_slots = 0;
+  DType state_dtype = DType::fp32;  // OptimizerOptions::state_dtype
   bool ema = false;
   /// offload.delayed_update: the CPU update overlaps the next step's backward.
   bool delayed_update = false;
@@ -88,6 +89,7 @@ struct StagePlan {
   bool grad_shard_on_device() const { return shard_accumulator && !streams_grads_to_host; }
   std::size_t param_bytes() const { return size_of(param_dtype); }
   std::size_t grad_bytes() const { return size_of(grad_dtype); }
+  std::size_t state_bytes() const { return size_of(state_dtype); }
   /// Elements of the master, state and EMA buffers: all at stage 0, a shard otherwise.
   std::size_t optimizer_elements(std::size_t padded_numel) const {
     return optimizer_full ? padded_numel : padded_numel / static_cast<std::size_t>(world_size);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string_view>
 
 #include "zero/core/dtype.hpp"
@@ -52,6 +53,11 @@ struct OptimizerOptions {
   double momentum = 0.0;       // SGD
   double dampening = 0.0;      // SGD
   bool nesterov = false;       // SGD
+  /// How the state tensors (m, v, momentum) are stored: fp32, or bf16 rounded
+  /// stochastically after each update (bf16_round_stochastic below): 2 bytes
+  /// a slot instead of 4, so AdamW's update moves 20 bytes a parameter
+  /// instead of 28 with bf16 gradients and parameters. The math stays fp32.
+  DType state_dtype = DType::fp32;
 
   void validate() const {
     ZERO_CHECK(std::isfinite(lr) && lr >= 0, "optimizer.lr must be finite and >= 0, got ", lr);
@@ -63,6 +69,8 @@ struct OptimizerOptions {
     }
     if (kind == OptimizerKind::adamw)
       ZERO_CHECK(eps > 0 && std::isfinite(eps), "optimizer.eps must be > 0, got ", eps);
+    ZERO_CHECK(state_dtype == DType::fp32 || state_dtype == DType::bf16,
+               "optimizer.state_dtype must be fp32 or bf16, got ", name_of(state_dtype));
     if (kind == OptimizerKind::sgd) {
       ZERO_CHECK(momentum >= 0 && momentum < 1, "optimizer.momentum must be in [0, 1), got ", momentum);
       ZERO_CHECK(dampening >= 0 && dampening <= 1, "optimizer.dampening must be in [0, 1], got ",
@@ -98,7 +106,72 @@ struct StepScalars {
   /// Multiplies every gradient before use: 1 / (loss scale * accumulation
   /// steps) * clip coefficient. Folding it here saves a pass over the grads.
   float grad_scale = 1;
+  /// bf16 state: this step's key for the stochastic rounding's random bits
+  /// (state_rounding_bits), a hash of the step.
+  std::uint32_t rounding_key = 0;
 };
+
+// ---------------------------------------------------------------------------
+// bf16 optimizer state. Round-to-nearest would freeze AdamW's second moment:
+// v <- 0.999 v + 0.001 g^2 changes v by ~0.1% a step, below half a bf16 ulp
+// (0.2-0.4%), so v would stay where it is. Rounding up with probability equal
+// to the dropped fraction keeps every update's expectation. The random bits
+// are a hash of the element's index in the full flat buffer and the step, so
+// the result does not depend on how the buffer is sharded or cut into
+// launches (stages 0-3 give the same bits on the same world size) and every
+// kernel (CPU reference, CPU vectorized, GPU) draws the same bits.
+
+/// A 32-bit integer hash (lowbias32: two multiplies, three xor-shifts).
+ZERO_HOST_DEVICE std::uint32_t rounding_hash(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+/// The step's key (StepScalars::rounding_key).
+inline std::uint32_t rounding_key_of(std::int64_t step) {
+  return rounding_hash(static_cast<std::uint32_t>(step) ^ 0x9e3779b9u) ^
+         rounding_hash(static_cast<std::uint32_t>(static_cast<std::uint64_t>(step) >> 32) ^ 0x85ebca6bu);
+}
+
+/// 32 random bits for the element at `index` of the full flat buffer: the
+/// high half rounds state0, the low half state1.
+ZERO_HOST_DEVICE std::uint32_t state_rounding_bits(std::uint64_t index, std::uint32_t key) {
+  return rounding_hash(static_cast<std::uint32_t>(index) ^
+                       rounding_hash(static_cast<std::uint32_t>(index >> 32) ^ key));
+}
+
+/// float -> bf16, rounded up with probability (dropped bits) / 2^16: the 16
+/// random bits are added below the kept ones and the sum truncated. NaN stays
+/// a quiet NaN and infinity infinity; a finite value within an ulp of bf16's
+/// largest may round to infinity (as for round-to-nearest near the top).
+ZERO_HOST_DEVICE std::uint16_t bf16_round_stochastic(float value, std::uint32_t random16) {
+  std::uint32_t bits;
+#if defined(__CUDA_ARCH__)
+  bits = __float_as_uint(value);
+#else
+  std::memcpy(&bits, &value, 4);
+#endif
+  const bool special = (bits & 0x7fffffffu) >= 0x7f800000u;  // inf or NaN
+  const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const std::uint32_t rounded = special ? (bits >> 16) | (is_nan ? 0x40u : 0u) : (bits + (random16 & 0xffffu)) >> 16;
+  return static_cast<std::uint16_t>(rounded);
+}
+
+/// bf16 bits -> float (exact).
+ZERO_HOST_DEVICE float bf16_state_to_float(std::uint16_t bits) {
+  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(wide);
+#else
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+#endif
+}
 
 /// step is 1-based (the step being taken).
 inline StepScalars make_step_scalars(const OptimizerOptions& o, std::int64_t step, double lr,
@@ -120,6 +193,7 @@ inline StepScalars make_step_scalars(const OptimizerOptions& o, std::int64_t ste
   s.nesterov = o.nesterov ? 1 : 0;
   s.first_step = step == 1 ? 1 : 0;
   s.grad_scale = static_cast<float>(grad_scale);
+  s.rounding_key = rounding_key_of(step);
   return s;
 }
 
@@ -170,8 +244,8 @@ struct ShardUpdate {
   float* master = nullptr;                // fp32 master weights, updated in place
   const void* grad = nullptr;             // gradients, grad_dtype
   DType grad_dtype = DType::fp32;
-  float* state0 = nullptr;                // AdamW m, Lion m, SGD momentum buffer
-  float* state1 = nullptr;                // AdamW v
+  void* state0 = nullptr;                 // AdamW m, Lion m, SGD momentum buffer; state_dtype
+  void* state1 = nullptr;                 // AdamW v; state_dtype
   void* model_copy = nullptr;             // optional: updated params rounded to model_dtype
   DType model_dtype = DType::bf16;
   std::size_t count = 0;
@@ -182,14 +256,22 @@ struct ShardUpdate {
   /// kernels only (the GPU's optimizer_step refuses it).
   float* ema = nullptr;
   double ema_decay = 0;
+  // (Last, so that aggregate initializations of the fields above still hold.)
+  /// fp32, or bf16 rounded stochastically (OptimizerOptions::state_dtype).
+  DType state_dtype = DType::fp32;
+  /// The index of element 0 of this span in the full flat buffer (padding
+  /// included): where bf16 state draws its rounding bits.
+  std::uint64_t first_index = 0;
 
   /// Elements [begin, begin + n) of this span.
   ShardUpdate slice(std::size_t begin, std::size_t n) const {
     ShardUpdate part = *this;
     part.master = master + begin;
     part.grad = static_cast<const std::byte*>(grad) + begin * size_of(grad_dtype);
-    part.state0 = state0 ? state0 + begin : nullptr;
-    part.state1 = state1 ? state1 + begin : nullptr;
+    const std::size_t state_size = size_of(state_dtype);
+    part.state0 = state0 ? static_cast<std::byte*>(state0) + begin * state_size : nullptr;
+    part.state1 = state1 ? static_cast<std::byte*>(state1) + begin * state_size : nullptr;
+    part.first_index = first_index + begin;
     part.model_copy = model_copy ? static_cast<std::byte*>(model_copy) + begin * size_of(model_dtype) : nullptr;
     part.ema = ema ? ema + begin : nullptr;
     part.count = n;

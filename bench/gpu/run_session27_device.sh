@@ -26,7 +26,9 @@
 #             (SDXL_BLOCKING_INPUT_COPIES=1: blocking), alternated B1_ROUNDS
 #             times (default 2); B1_VARIANTS (default "pinned blocking") may add
 #             threads1, threads4: the default with --host_threads 1, 4;
-#             bf16state, bf16state2: --state_dtype bf16 at stage 0, at stage 2.
+#             bf16state, bf16state2: --state_dtype bf16 at stage 0, at stage 2;
+#             noprefetch: the next micro-step's host inputs made when needed, not
+#             during the current one (SDXL_NO_INPUT_PREFETCH=1).
 #  b1trace:   that run with a Kineto trace of step 15, its stream and host
 #             timelines and kernel families in the log, the trace gzipped;
 #             at each of B1_TRACE_STAGES (default 0).
@@ -119,13 +121,14 @@ if has b1ab; then
       extra=()
       case $variant in
         blocking) export SDXL_BLOCKING_INPUT_COPIES=1 ;;
+        noprefetch) export SDXL_NO_INPUT_PREFETCH=1 ;;  # session 34: the inputs made when needed
         threads*) extra=(--host_threads "${variant#threads}") ;;
         bf16state) extra=(--state_dtype bf16) ;;  # session 34: AdamW's m and v in bf16
         bf16state2) extra=(--state_dtype bf16 --stage 2) ;;  # the same at stage 2 (the last --stage wins)
       esac
       run_trainer "sdxl-stage0-b1-$variant-r$round" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
         --ema_decay 0 --channels_last true --cuda_graph true "${extra[@]}"
-      unset SDXL_BLOCKING_INPUT_COPIES
+      unset SDXL_BLOCKING_INPUT_COPIES SDXL_NO_INPUT_PREFETCH
     done
   done
 fi

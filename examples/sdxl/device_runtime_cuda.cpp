@@ -8,12 +8,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <deque>
 
 #include "device_runtime.hpp"
 #include "deterministic.hpp"
+#include "env_flag.hpp"
 #include "tf32.hpp"
 #include "zero/comm/nccl_communicator.hpp"
 #include "zero/comm/staged_communicator.hpp"
@@ -88,9 +87,7 @@ struct InputUploads::Buffers {
 };
 
 InputUploads::InputUploads(torch::Device device) : device_(device) {
-  const char* blocking = std::getenv("SDXL_BLOCKING_INPUT_COPIES");
-  if (device.is_cuda() && !(blocking != nullptr && std::strcmp(blocking, "1") == 0))
-    buffers_ = std::make_unique<Buffers>();
+  if (device.is_cuda() && !env_flag("SDXL_BLOCKING_INPUT_COPIES")) buffers_ = std::make_unique<Buffers>();
 }
 
 InputUploads::~InputUploads() = default;

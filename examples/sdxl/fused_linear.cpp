@@ -13,8 +13,6 @@
 #include "fused_linear.hpp"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #if defined(ZERO_WITH_CUDA) && defined(SDXL_LINEAR_LT) && __has_include(<ATen/cuda/CUDAContext.h>) && \
     __has_include(<c10/cuda/CUDAGuard.h>)
@@ -25,6 +23,8 @@
 #include "linear_backward_lt.hpp"
 #endif
 
+#include "env_flag.hpp"
+
 namespace sdxl {
 
 using torch::Tensor;
@@ -32,10 +32,7 @@ using torch::Tensor;
 namespace {
 
 std::atomic<bool>& fused_enabled() {
-  static std::atomic<bool> enabled{[] {
-    const char* off = std::getenv("SDXL_UNFUSED_LINEAR_BACKWARD");
-    return off == nullptr || std::strcmp(off, "1") != 0;
-  }()};
+  static std::atomic<bool> enabled{!env_flag("SDXL_UNFUSED_LINEAR_BACKWARD")};
   return enabled;
 }
 

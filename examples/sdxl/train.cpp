@@ -32,6 +32,7 @@
 #include "data/synthetic.hpp"           // SyntheticDataset
 #include "device_runtime.hpp"           // DeviceRuntime, GraphedMicroStep
 #include "diffusion.hpp"                // NoiseSchedule, diffusion_loss, learning_rate
+#include "env_flag.hpp"                 // env_flag: A/B switches from the environment
 #include "profile_trace.hpp"            // Kineto trace of one step
 #include "stop_signals.hpp"             // SIGTERM/SIGINT/SIGUSR1: checkpoint and stop at a step boundary
 #include "train_checkpoint.hpp"         // save_checkpoint, maybe_resume
@@ -255,6 +256,16 @@ struct Run {
   zero::adapter::ShardedModel& sharded() { return *model.sharded; }
 };
 
+/// The host's share of one micro-step's inputs: the loader's batch (caption
+/// dropout applied), the noise and timesteps drawn for it, the min-SNR
+/// weights, all in host memory.
+struct HostInputs {
+  std::int64_t step = -1, micro = -1;
+  data::Batch batch;
+  std::int64_t captions_dropped = 0;
+  torch::Tensor noise, timesteps, weights;  // weights: undefined without min-SNR
+};
+
 struct StepLoop {
   explicit StepLoop(Run& run)
       : prediction(parse_prediction(run.cfg.prediction)),
@@ -277,6 +288,10 @@ struct StepLoop {
   std::int64_t eager_steps_done = 0;
   GraphedMicroStep graphed;
   InputUploads inputs;
+  /// The next micro-step's host inputs, made while the device ran this one
+  /// (SDXL_NO_INPUT_PREFETCH=1: made when needed, for A/B runs).
+  std::optional<HostInputs> prefetched;
+  const bool prefetch_inputs = !env_flag("SDXL_NO_INPUT_PREFETCH");
 };
 
 /// Caption dropout: replaces the text conditioning (prompt embeds and pooled)
@@ -299,6 +314,35 @@ std::int64_t drop_captions(const TrainConfig& cfg, const data::EmptyPrompt& empt
   return dropped;
 }
 
+HostInputs prepare_host_inputs(Run& run, const StepLoop& loop, std::int64_t step, std::int64_t micro) {
+  const TrainConfig& cfg = run.cfg;
+  HostInputs in{.step = step, .micro = micro, .batch = run.data.loader->next()};
+  if (run.data.empty_prompt) in.captions_dropped = drop_captions(cfg, *run.data.empty_prompt, in.batch, step, micro);
+  // Noise and timestep of each sample depend on (seed, step, micro-step,
+  // sample index) only: a resumed run draws what the uninterrupted one
+  // did, and any world size draws the same for the same global batch.
+  const auto& shape = in.batch.latents_shape;
+  std::vector<torch::Tensor> noises, times;
+  for (std::size_t b = 0; b < in.batch.size(); ++b) {
+    torch::Generator generator = at::detail::createCPUGenerator(static_cast<std::uint64_t>(
+        cfg.seed * 1000003 + step * 7919 + micro * 131 + static_cast<std::int64_t>(in.batch.indices[b]) * 2654435761LL));
+    times.push_back(torch::randint(0, loop.schedule.steps(), {1}, generator, torch::kLong));
+    noises.push_back(sample_noise(torch::empty({1, shape[1], shape[2], shape[3]}), cfg.noise_offset, generator));
+  }
+  in.timesteps = torch::cat(times);
+  in.noise = torch::cat(noises);
+  if (cfg.min_snr_gamma > 0) in.weights = loop.schedule.min_snr_weights(loop.prediction, in.timesteps, cfg.min_snr_gamma);
+  return in;
+}
+
+/// The micro-step after (step, micro) in this run, if there is one.
+std::optional<std::pair<std::int64_t, std::int64_t>> next_micro_step(const Run& run, std::int64_t step,
+                                                                     std::int64_t micro) {
+  if (micro + 1 < run.cfg.accumulation) return std::pair{step, micro + 1};
+  if (step + 1 < run.data.steps) return std::pair{step + 1, std::int64_t{0}};
+  return std::nullopt;
+}
+
 /// Forward and backward of one micro-step on the next batch; returns its loss.
 double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t micro) {
   const TrainConfig& cfg = run.cfg;
@@ -310,34 +354,29 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
   };
   if (run.faults.slow_rank && run.faults.slow_rank->rank == run.host_comm.rank())
     std::this_thread::sleep_for(run.faults.slow_rank->delay);
-  data::Batch batch = run.data.loader->next();
-  loop.sampler_state = batch.state_after;
+  // Made during the previous micro-step where there was one. (A prefetched
+  // micro-step a run stops before, after a signal or stop_after, is dropped:
+  // checkpoints save the sampler state of the batches consumed.)
+  ZERO_CHECK(!loop.prefetched || (loop.prefetched->step == step && loop.prefetched->micro == micro),
+             "internal: inputs prefetched for step ", loop.prefetched ? loop.prefetched->step + 1 : 0, " micro-step ",
+             loop.prefetched ? loop.prefetched->micro : 0, ", used at step ", step + 1, " micro-step ", micro);
+  HostInputs in = loop.prefetched ? std::move(*loop.prefetched) : prepare_host_inputs(run, loop, step, micro);
+  loop.prefetched.reset();
+  loop.sampler_state = in.batch.state_after;
+  loop.captions_dropped += in.captions_dropped;
   seed_lora_dropout(cfg, step, micro, run.host_comm.rank());
-  if (run.data.empty_prompt) loop.captions_dropped += drop_captions(cfg, *run.data.empty_prompt, batch, step, micro);
+  const data::Batch& batch = in.batch;
   torch::Tensor latents = tensor_of(kLatents, batch.latents, batch.latents_shape);
   torch::Tensor prompt = tensor_of(kPrompt, batch.prompt_embeds, batch.prompt_embeds_shape);
   torch::Tensor pooled = tensor_of(kPooled, batch.pooled_prompt_embeds, batch.pooled_prompt_embeds_shape);
   torch::Tensor time_ids = tensor_of(kTimeIds, batch.time_ids, batch.time_ids_shape);
-  // Noise and timestep of each sample depend on (seed, step, micro-step,
-  // sample index) only: a resumed run draws what the uninterrupted one
-  // did, and any world size draws the same for the same global batch.
-  std::vector<torch::Tensor> noises, times;
-  for (std::size_t b = 0; b < batch.size(); ++b) {
-    torch::Generator generator = at::detail::createCPUGenerator(static_cast<std::uint64_t>(
-        cfg.seed * 1000003 + step * 7919 + micro * 131 + static_cast<std::int64_t>(batch.indices[b]) * 2654435761LL));
-    times.push_back(torch::randint(0, loop.schedule.steps(), {1}, generator, torch::kLong));
-    noises.push_back(sample_noise(torch::empty({1, latents.size(1), latents.size(2), latents.size(3)}),
-                                  cfg.noise_offset, generator));
-  }
-  torch::Tensor timesteps = torch::cat(times);
-  torch::Tensor noise = loop.inputs.up(kNoise, torch::cat(noises), run.model.compute_type);
-  const torch::Tensor timesteps_on_device = loop.inputs.up(kTimesteps, timesteps, torch::kLong);
+  torch::Tensor noise = loop.inputs.up(kNoise, in.noise, run.model.compute_type);
+  const torch::Tensor timesteps_on_device = loop.inputs.up(kTimesteps, in.timesteps, torch::kLong);
   torch::Tensor noisy = loop.schedule.add_noise(latents, noise, timesteps_on_device);
   torch::Tensor target = loop.schedule.target(loop.prediction, latents, noise, timesteps_on_device);
   torch::Tensor weights;
-  if (cfg.min_snr_gamma > 0) weights = loop.schedule.min_snr_weights(loop.prediction, timesteps, cfg.min_snr_gamma);
   torch::Tensor timesteps_in = timesteps_on_device.to(torch::kFloat32);
-  if (weights.defined()) weights = loop.inputs.up(kWeights, weights, torch::kFloat32);
+  if (in.weights.defined()) weights = loop.inputs.up(kWeights, in.weights, torch::kFloat32);
   UNet2DConditionModel& model = run.model.unet;
   zero::adapter::ShardedModel& sharded = run.sharded();
   torch::Tensor loss;
@@ -354,6 +393,11 @@ double run_micro_step(Run& run, StepLoop& loop, std::int64_t step, std::int64_t 
     (loss * sharded.engine().loss_scale()).backward();
     sharded.finish_micro_step();
   }
+  // While the device works on this micro-step: the next one's host inputs,
+  // so that after step() the GPU does not wait for the loader and the noise.
+  if (loop.prefetch_inputs)
+    if (const auto next = next_micro_step(run, step, micro))
+      loop.prefetched = prepare_host_inputs(run, loop, next->first, next->second);
   return loss.item<double>();  // waits for the device: the step's timings are device-inclusive
 }
 

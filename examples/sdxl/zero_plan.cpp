@@ -97,7 +97,8 @@ std::size_t parse_count(const std::string& text) {
 
 // Every command-line setting, at its default.
 struct Options {
-  std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", fit_text, host_text;
+  std::string params_text, unet_config, precision = "bf16", optimizer = "adamw", state_dtype = "fp32", fit_text,
+      host_text;
   std::string accumulation_mode = "each", per_sample_text, fixed_text, overhead_text;
   std::string units = "layers";
   int shard_group_size = 0, global_batch = 0;
@@ -129,6 +130,9 @@ void define_options(CLI::App& app, Options& o) {
       ->capture_default_str()->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   app.add_option("--optimizer", o.optimizer, "adamw, lion or sgd (with momentum)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "lion", "sgd"}));
+  app.add_option("--state-dtype", o.state_dtype,
+                 "the optimizer state's storage: fp32, or bf16 (the trainer's [optimizer] state_dtype; on the GPU only)")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--ema", o.ema, "an fp32 EMA of the weights");
   app.add_option("--ema-every", o.ema_every,
                  "with --ema: the EMA updated every k steps (the trainer's ema_every; the offloaded CPU update "
@@ -225,6 +229,7 @@ zero::plan::PlanInput plan_input_of(const Options& o) {
   in.engine.param_dtype = zero::parse_dtype(o.precision, "--precision");
   in.engine.optimizer.kind = zero::parse_optimizer_kind(o.optimizer, "--optimizer");
   if (in.engine.optimizer.kind == zero::OptimizerKind::sgd) in.engine.optimizer.momentum = 0.9;  // the trainer's default
+  in.engine.optimizer.state_dtype = zero::parse_dtype(o.state_dtype, "--state-dtype");
   in.engine.ema.decay = o.ema ? 0.9999 : 0.0;  // only on or off matters to memory
   in.engine.ema.every = o.ema_every;           // and to the offloaded update's time
   in.engine.offload.optimizer = o.offload;

@@ -204,7 +204,7 @@ TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage; written a
     o.optimizer.state_dtype = DType::bf16;
     return o;
   };
-  for (int save_stage : {0, 2}) {
+  for (int save_stage : {0, 3}) {  // resumed at 1 and at 0
     CAPTURE(save_stage);
     Engine straight(units(false), bf16_options(save_stage), comm, *backend);
     init(straight);
@@ -220,7 +220,7 @@ TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage; written a
         for (float x : values) REQUIRE(bf16_state_to_float(bf16_round_stochastic(x, 0)) == x);
     // bf16 state again, at the next stage: the same bits onward.
     {
-      Engine resumed(units(false), bf16_options(save_stage + 1), comm, *backend);
+      Engine resumed(units(false), bf16_options((save_stage + 1) % 4), comm, *backend);
       testing::init_random_params(resumed, 99);
       resumed.load_state(path);
       check_same_state(named_state(resumed), at_save);

@@ -118,15 +118,15 @@ if has b1ab; then
   # against the blocking copies (SDXL_BLOCKING_INPUT_COPIES=1), alternated.
   for round in $(seq 1 "${B1_ROUNDS:-2}"); do
     for variant in ${B1_VARIANTS:-pinned blocking}; do
-      extra=()
+      extra=() stage=0
       case $variant in
         blocking) export SDXL_BLOCKING_INPUT_COPIES=1 ;;
         noprefetch) export SDXL_NO_INPUT_PREFETCH=1 ;;  # session 34: the inputs made when needed
         threads*) extra=(--host_threads "${variant#threads}") ;;
         bf16state) extra=(--state_dtype bf16) ;;  # session 34: AdamW's m and v in bf16
-        bf16state2) extra=(--state_dtype bf16 --stage 2) ;;  # the same at stage 2 (the last --stage wins)
+        bf16state2) extra=(--state_dtype bf16) stage=2 ;;  # the same at stage 2
       esac
-      run_trainer "sdxl-stage0-b1-$variant-r$round" 150 --stage 0 --batch_size 1 --activation_checkpointing false \
+      run_trainer "sdxl-stage$stage-b1-$variant-r$round" 150 --stage "$stage" --batch_size 1 --activation_checkpointing false \
         --ema_decay 0 --channels_last true --cuda_graph true "${extra[@]}"
       unset SDXL_BLOCKING_INPUT_COPIES SDXL_NO_INPUT_PREFETCH
     done

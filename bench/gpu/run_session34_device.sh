@@ -8,7 +8,7 @@
 #             bf16 gradients and copy, fp32 state against bf16 state (predicted
 #             20 / 28 = 0.71 of the time) and the copy ceiling;
 #   b1ab:     bench/gpu/run_session27_device.sh's phase b1ab (batch 1, stage 0,
-#             graph) with B1_VARIANTS (default "pinned bf16state") B1_ROUNDS
+#             graph) with B1_VARIANTS (default "noprefetch pinned bf16state") B1_ROUNDS
 #             times (default 1).
 # Output: $OUT/session34/run.log, kernels.log, optimizer.json and the trainer
 # runs' summaries (under session27/).
@@ -28,7 +28,7 @@ if has optbench; then
   timeout 240 "$BUILD/bench/gpu/gpu_bench_optimizer" --no-sweep --json "$OUT_DIR/optimizer.json" 2>&1 | tee -a "$LOG"
 fi
 if has b1ab; then
-  OUT=$OUT PHASES=b1ab B1_ROUNDS=${B1_ROUNDS:-1} B1_VARIANTS=${B1_VARIANTS:-pinned bf16state} \
+  OUT=$OUT PHASES=b1ab B1_ROUNDS=${B1_ROUNDS:-1} B1_VARIANTS=${B1_VARIANTS:-noprefetch pinned bf16state} \
     bash bench/gpu/run_session27_device.sh > /dev/null 2>&1
   tail -15 "$OUT/session27/run.log" | tee -a "$LOG"
 fi

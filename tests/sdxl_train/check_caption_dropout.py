@@ -15,6 +15,11 @@ examples/sdxl/train (tiny.toml, 4 steps, global batch 8; stdlib only):
    empty prompt's conditioning (prompt embeds and pooled; time ids kept).
 6. A cached dataset without empty_prompt.safetensors (format version 1) is
    refused with p > 0, naming the option, the file and how to make it.
+7. The next micro-step's host inputs (batch, dropout, noise, timesteps, min-SNR
+   weights) made during the current one, as the trainer does, train bit for
+   bit what making them when needed does (SDXL_NO_INPUT_PREFETCH=1): p = 0.5,
+   noise offset and min-SNR, two micro-steps a step (a prefetch within a step
+   and across steps).
 
   check_caption_dropout.py TRAIN MPIEXEC CONFIG WORKDIR [mpiexec flags...]
 """
@@ -42,12 +47,13 @@ def command(name, ranks, overrides):
                  "--export_unet", "false", "--warmup_steps", "1", "--batch_size", str(GLOBAL_BATCH // ranks), *defaults, *overrides]
 
 
-def train(name, ranks, *overrides, fresh=True):
+def train(name, ranks, *overrides, fresh=True, env=None):
     out, cmd = command(name, ranks, overrides)
     if fresh:
         shutil.rmtree(out, ignore_errors=True)
     start = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env=None if env is None else {**os.environ, **env})
     print(f"  ran {' '.join(cmd[3 + len(MPI_FLAGS):])} with {ranks} rank(s) in {time.time() - start:.1f} s")
     if result.returncode != 0:
         print(result.stdout[-4000:], result.stderr[-4000:])
@@ -140,6 +146,13 @@ def main():
     for fragment in ("caption_dropout", "empty_prompt.safetensors", "examples/sdxl/prepare", all_empty):
         check(fragment in text, f"the refusal names {fragment!r}")
     check("frame #" not in text, "the refusal carries no C++ frames")
+
+    # 7. Inputs prefetched during the previous micro-step or made when needed: the same bits.
+    varied = ["--caption_dropout", "0.5", "--noise_offset", "0.05", "--min_snr_gamma", "5", "--accumulation", "2"]
+    prefetched = train("prefetched", 2, *varied)
+    when_needed = train("when-needed", 2, *varied, env={"SDXL_NO_INPUT_PREFETCH": "1"})
+    check(losses(prefetched) == losses(when_needed) and counts(prefetched) == counts(when_needed),
+          "inputs prefetched during the previous micro-step train bit for bit what inputs made when needed do")
 
     if failures:
         print(f"{len(failures)} check(s) failed:\n  " + "\n  ".join(failures))

@@ -10,8 +10,9 @@
    names bucket_mib (not EngineOptions.bucket_bytes); the batch-size message
    names options a user can set (not LastBatchPolicy::pad).
 2. Sizes known before anything is allocated, and offload options that do not
-   combine (offload_ema_on_device alone: the engine's rule, in the trainer's
-   words), are refused at once, naming the
+   combine (offload_ema_on_device alone, state_dtype bf16 with
+   offload_optimizer: the engine's rules, in the trainer's words), and
+   state_dtype fp16, are refused at once, naming the
    option and its limit: synthetic_samples 2e9, latent_size 65536,
    batch_size 1e6, a UNet config with layers_per_block 100000 and one whose
    parameters exceed kMaxParameters.
@@ -119,6 +120,13 @@ r = train("ema_on_device", "--offload_ema_on_device", "true")
 check_refused(r, "offload_ema_on_device without offload_optimizer", r"offload_ema_on_device needs offload_optimizer",
               forbidden=("EngineOptions", "[zero] [zero]"))
 check(r.elapsed < 30, f"offload_ema_on_device: refused in {r.elapsed:.1f} s (< 30 s)")
+r = train("state_offloaded", "--state_dtype", "bf16", "--stage", "2", "--offload_optimizer", "true")
+check_refused(r, "state_dtype bf16 with offload_optimizer",
+              r"offload_optimizer keeps the optimizer's state in fp32 on the host; optimizer state_dtype bf16 runs "
+              r"on the device only", forbidden=("EngineOptions", "[zero] [zero]"))
+check(r.elapsed < 30, f"state_dtype bf16 with offload_optimizer: refused in {r.elapsed:.1f} s (< 30 s)")
+check_refused_early(train("state_fp16", "--state_dtype", "fp16"), "state_dtype fp16",
+                    r"state_dtype: 'fp16' is not one of fp32, bf16")
 check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductions_in_flight 0",
                     r"reductions_in_flight \(\[zero\]\) must be in \[1, 1024\]")
 check_refused_early(train("prefetch", "--prefetch_units", "-1"), "prefetch_units -1",

@@ -311,8 +311,8 @@ class Engine {
   /// matched by name, so their order and grouping into units may differ, as
   /// may padding and alignment. Collective.
   void load_state_resharded(const std::vector<std::string>& rank_files);
-  /// The optimizer state tensor `slot` (0 or 1) of every parameter (collective;
-  /// tests); empty for frozen parameters.
+  /// The optimizer state tensor `slot` (0 or 1) of every parameter, widened to
+  /// float where state_dtype is bf16 (collective; tests); empty for frozen parameters.
   std::vector<std::vector<float>> gather_optimizer_state(int slot);
 
   // ------------------------------------------------------------ memory

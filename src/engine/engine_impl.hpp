@@ -236,13 +236,14 @@ struct Engine::Impl {
   }
   /// This rank's slice of bucket b in an fp32 buffer laid out like the
   /// optimizer state: full at stage 0, a shard otherwise.
-  float* optimizer_slice(float* base, std::size_t b) const {
-    return base + (plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset);
+  float* optimizer_slice(float* base, std::size_t b) const { return base + optimizer_offset(b); }
+  /// Where this rank's slice of bucket b starts, in elements, in a buffer laid
+  /// out like the optimizer state (full at stage 0, a shard otherwise).
+  std::size_t optimizer_offset(std::size_t b) const {
+    return plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset;
   }
   /// This rank's slice of bucket b of an optimizer state buffer (sdt).
-  std::byte* state_slice(std::byte* base, std::size_t b) const {
-    return base + (plan.optimizer_full ? own_offset(b) : layout.buckets()[b].shard_offset) * s_size;
-  }
+  std::byte* state_slice(std::byte* base, std::size_t b) const { return base + optimizer_offset(b) * s_size; }
   /// The fp32 master values of this rank's slice of bucket b (the parameters
   /// themselves when they are fp32 on the device).
   float* master_slice(std::size_t b) const {

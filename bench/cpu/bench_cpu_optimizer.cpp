@@ -135,12 +135,23 @@ void BM_AdamW_Vectorized_bf16grads_bf16copy(benchmark::State& s) { run(s, CpuKer
 // two_pass: the update then cpu_ema_update over the new master, in 2M-element
 // slices so the second pass reads the master from cache (the engine before
 // 2026-12-05); fused: the EMA in the update's pass (ShardUpdate::ema).
-void adamw_ema(benchmark::State& state, bool fused) {
+// bf16_state: m and v held as bf16 (OptimizerOptions::state_dtype), rounded
+// stochastically: 8 bytes of state a parameter instead of 16 (26 in all).
+void adamw_ema(benchmark::State& state, bool fused, bool bf16_state = false) {
   const std::size_t n = static_cast<std::size_t>(state.range(0));
   Buffers b(n);
   std::vector<float> ema(b.master);
   OptimizerOptions o;
   ShardUpdate u = whole(b, /*mixed=*/true);
+  std::vector<std::uint16_t> m16, v16;
+  if (bf16_state) {
+    o.state_dtype = DType::bf16;
+    m16.assign(n, float_to_bf16_bits(0.0f));
+    v16.assign(n, float_to_bf16_bits(1e-3f));
+    u.state0 = m16.data();
+    u.state1 = v16.data();
+    u.state_dtype = DType::bf16;
+  }
   constexpr std::size_t kSlice = std::size_t{2} << 20;
   std::int64_t step = 1;
   for (auto _ : state) {
@@ -159,11 +170,13 @@ void adamw_ema(benchmark::State& state, bool fused) {
     benchmark::ClobberMemory();
   }
   state.counters["params/s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(n * (bytes_per_param(true) + 8)) / 1e9,
+  const std::size_t bytes = bytes_per_param(true) + 8 - (bf16_state ? 8 : 0);
+  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(n * bytes) / 1e9,
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 void BM_AdamW_EMA_bf16_two_pass(benchmark::State& s) { adamw_ema(s, false); }
 void BM_AdamW_EMA_bf16_fused(benchmark::State& s) { adamw_ema(s, true); }
+void BM_AdamW_EMA_bf16_fused_bf16state(benchmark::State& s) { adamw_ema(s, true, true); }
 
 // The ceiling: memcpy moving the same bytes (half read, half written) on
 // every core, as the vectorized kernel uses them.
@@ -199,5 +212,6 @@ BENCHMARK(BM_AdamW_Vectorized_bf16_1group)->Arg(1 << 24)->Arg(1 << 27)->UseRealT
 BENCHMARK(BM_AdamW_Vectorized_bf16_4groups)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_EMA_bf16_two_pass)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW_EMA_bf16_fused)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AdamW_EMA_bf16_fused_bf16state)->Arg(1 << 24)->Arg(1 << 27)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(GradStats_bf16)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

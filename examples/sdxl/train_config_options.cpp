@@ -52,7 +52,7 @@ std::vector<Option> options_of(TrainConfig& c) {
       {"optimizer", "state_dtype", &c.state_dtype,
        "how the optimizer state (AdamW's m and v, the momentum) is stored: fp32, or bf16 rounded stochastically "
        "after each update (half the state's memory, and AdamW's update moves 20 bytes a parameter instead of 28; "
-       "the math stays fp32; not with offload_optimizer)"},
+       "the math stays fp32; on the GPU and with offload_optimizer alike)"},
       {"optimizer", "max_grad_norm", &c.max_grad_norm, "global gradient-norm clipping (0: off)"},
       {"optimizer", "max_nonfinite_steps", &c.max_nonfinite_steps,
        "stop after this many steps in a row with non-finite gradients, each skipped (0: never stop)"},

@@ -113,8 +113,6 @@ std::vector<FitResult::Candidate> search(const PlanInput& base, std::size_t gpu_
     for (int stage = 0; stage <= 3; ++stage)
       for (Offload offload : {Offload{false, false}, Offload{true, false}, Offload{true, true}}) {
         if ((offload.optimizer && stage == 0) || (offload.params && stage != 3)) continue;
-        // bf16 optimizer state runs on the device only (EngineOptions::offload_conflict).
-        if (offload.optimizer && base.engine.optimizer.state_dtype != DType::fp32) continue;
         const bool host_allowed = offload.optimizer && accumulation > 1 &&
                                   base.engine.accumulation == GradAccumulation::reduce_each_micro_step;
         // The EMA kept on the GPU: with the optimizer offloaded, an EMA, and

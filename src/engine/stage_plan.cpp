@@ -79,10 +79,6 @@ std::string EngineOptions::offload_conflict() const {
   using detail::concat;
   // In the trainer's key names (offload_optimizer, offload_params,
   // offload_delayed_update, ...), which users know the switches by.
-  if (offload.optimizer && optimizer.state_dtype != DType::fp32)
-    return concat("offload_optimizer keeps the optimizer's state in fp32 on the host; optimizer state_dtype ",
-                  name_of(optimizer.state_dtype), " runs on the device only (set state_dtype = \"fp32\" or turn "
-                  "offload_optimizer off)");
   if (offload.optimizer && stage < 1)
     return concat("offload_optimizer needs stage 1, 2 or 3, got stage ", stage,
                   " (stage 0 keeps the whole optimizer on every rank)");

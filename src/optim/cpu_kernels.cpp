@@ -75,10 +75,14 @@ inline float load_grad(const void* data, std::size_t i) {
 // ModelDType: the copy to write, or fp32 meaning "no copy".
 // Bf16State: state0/state1 hold bf16, widened on load and rounded
 // stochastically on store (optimizer.hpp); the math in between is the same.
+// high_hash: with bf16 state, the hash of the high half of the elements'
+// indices and the step's key (state_rounding_bits' inner hash), the same over
+// [begin, end) (update_range cuts the range where the high half changes), so
+// the loop hashes only the low half, in 32-bit lanes.
 template <OptimizerKind Kind, DType GradDType, DType ModelDType, bool HasCopy, bool HasMomentum, bool HasEma,
-          bool Bf16State = false>
-inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::size_t begin,
-                         std::size_t end) {
+          bool Bf16State>
+inline void update_run(const StepScalars& scalars, const ShardUpdate& u, std::size_t begin, std::size_t end,
+                       std::uint32_t high_hash) {
   // The scalars in a local copy: read through the reference, they could
   // alias the spans the loop writes (GCC would reload them per element).
   const StepScalars s = scalars;
@@ -86,7 +90,8 @@ inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::
   float* __restrict master = u.master;
   State* __restrict m = static_cast<State*>(u.state0);
   State* __restrict v = static_cast<State*>(u.state1);
-  const std::uint64_t first_index = u.first_index;
+  // The low half of index first_index + i is first_index's plus i's (mod 2^32).
+  const std::uint32_t low_offset = static_cast<std::uint32_t>(u.first_index);
   float* __restrict ema = u.ema;
   const Storage<GradDType>* __restrict grad = static_cast<const Storage<GradDType>*>(u.grad);
   Storage<ModelDType>* __restrict copy = static_cast<Storage<ModelDType>*>(u.model_copy);
@@ -111,7 +116,7 @@ inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::
       } else {
         sgd_element(p, &mi, g, s);
       }
-      const std::uint32_t bits = state_rounding_bits(first_index + i, s.rounding_key);
+      const std::uint32_t bits = rounding_hash((static_cast<std::uint32_t>(i) + low_offset) ^ high_hash);
       m[i] = bf16_round_stochastic(mi, bits >> 16);
       if constexpr (Kind == OptimizerKind::adamw) v[i] = bf16_round_stochastic(vi, bits);
     } else if constexpr (Kind == OptimizerKind::adamw) {
@@ -127,6 +132,26 @@ inline void update_range(const StepScalars& scalars, const ShardUpdate& u, std::
   }
 }
 
+template <OptimizerKind Kind, DType GradDType, DType ModelDType, bool HasCopy, bool HasMomentum, bool HasEma,
+          bool Bf16State = false>
+inline void update_range(const StepScalars& s, const ShardUpdate& u, std::size_t begin, std::size_t end) {
+  if constexpr (!Bf16State) {
+    update_run<Kind, GradDType, ModelDType, HasCopy, HasMomentum, HasEma, false>(s, u, begin, end, 0);
+  } else {
+    // Runs over which the indices' high half stays (one run unless the range
+    // crosses a multiple of 2^32).
+    constexpr std::uint64_t kLowSpan = std::uint64_t{1} << 32;
+    for (std::size_t lo = begin; lo < end;) {
+      const std::uint64_t index = u.first_index + lo;
+      const std::size_t run = static_cast<std::size_t>(
+          std::min<std::uint64_t>(end - lo, kLowSpan - (index & (kLowSpan - 1))));
+      const std::uint32_t high_hash = rounding_hash(static_cast<std::uint32_t>(index >> 32) ^ s.rounding_key);
+      update_run<Kind, GradDType, ModelDType, HasCopy, HasMomentum, HasEma, true>(s, u, lo, lo + run, high_hash);
+      lo += run;
+    }
+  }
+}
+
 using RangeFn = void (*)(const StepScalars&, const ShardUpdate&, std::size_t, std::size_t);
 
 // One multi-versioned entry per optimizer; the dtype dispatch happens inside
@@ -135,13 +160,14 @@ template <OptimizerKind Kind>
 void dispatch_range(const StepScalars& s, const ShardUpdate& u, std::size_t begin, std::size_t end) {
   const bool copy = u.model_copy != nullptr;
   const bool momentum = u.state0 != nullptr;
-  // The EMA is the innermost choice: every variant exists with and without it.
-  // bf16 state: never with the EMA in the pass (cpu_optimizer_step refuses it).
+  // The EMA is the innermost choice: every variant exists with and without
+  // it, with fp32 state and (where there is state) with bf16 state.
   const bool bf16_state = u.state_dtype == DType::bf16;
   auto run = [&]<DType G, DType M, bool Copy, bool Momentum>() {
     if constexpr (Momentum) {
       if (bf16_state) {
-        update_range<Kind, G, M, Copy, true, false, true>(s, u, begin, end);
+        if (u.ema) update_range<Kind, G, M, Copy, true, true, true>(s, u, begin, end);
+        else update_range<Kind, G, M, Copy, true, false, true>(s, u, begin, end);
         return;
       }
     }
@@ -295,8 +321,6 @@ void cpu_optimizer_step(const OptimizerOptions& options, const StepScalars& scal
   ZERO_CHECK(slots < 2 || update.state1, "ShardUpdate: ", name_of(options.kind), " needs state1");
   ZERO_CHECK(update.state_dtype == DType::fp32 || update.state_dtype == DType::bf16,
              "ShardUpdate.state_dtype must be fp32 or bf16, got ", name_of(update.state_dtype));
-  ZERO_CHECK(update.state_dtype == DType::fp32 || update.ema == nullptr,
-             "ShardUpdate: the EMA in the update's pass runs with fp32 state only (state_dtype is bf16)");
   // A state buffer the optimizer has no use for (SGD without momentum, Lion's
   // second) is never touched, even when given.
   ShardUpdate u = update;

@@ -84,67 +84,76 @@ inline void check_delayed_update(Communicator& comm, Backend& backend) {
   constexpr int kDelayedSteps = 7;
   for (DType dtype : {DType::fp32, DType::bf16})
     for (const DelayedCase& c : delayed_cases())
-      for (int warmup : {0, 2}) {
-        CAPTURE(dtype);
-        CAPTURE(c.stage);
-        CAPTURE(c.offload_params);
-        CAPTURE(c.accumulation);
-        CAPTURE(static_cast<int>(c.mode));
-        CAPTURE(c.accumulate_on_host);
-        CAPTURE(warmup);
-        EngineOptions o = delayed_options(c, dtype);
-        // bf16 keeps the EMA on the device (the master goes up), fp32 on the
-        // host: both against the synchronous update of the same placement.
-        o.offload.ema_on_device = dtype == DType::bf16 && !c.offload_params;
-        CAPTURE(o.offload.ema_on_device);
-        Engine sync(mlp_units(), o, comm, backend);
-        o.offload.delayed_update = true;
-        o.offload.delayed_update_warmup_steps = warmup;
-        // Other host teams than the synchronous engine's where several
-        // micro-steps run: the kernels cut their work by chunks, not by
-        // threads, so the bits are the same.
-        if (c.accumulation > 1) {
-          o.offload.update_threads = 3;
-          o.offload.gradient_worker_threads = c.accumulate_on_host ? 2 : 0;
+      for (int warmup : {0, 2})
+        for (DType state_dtype : {DType::fp32, DType::bf16}) {
+          // bf16 optimizer state (its stochastic rounding keyed by the step and
+          // the index) with bf16 parameters after two warm-up steps.
+          if (state_dtype == DType::bf16 && (dtype != DType::bf16 || warmup != 2)) continue;
+          CAPTURE(dtype);
+          CAPTURE(c.stage);
+          CAPTURE(c.offload_params);
+          CAPTURE(c.accumulation);
+          CAPTURE(static_cast<int>(c.mode));
+          CAPTURE(c.accumulate_on_host);
+          CAPTURE(warmup);
+          CAPTURE(state_dtype);
+          EngineOptions o = delayed_options(c, dtype);
+          o.optimizer.state_dtype = state_dtype;
+          // bf16 keeps the EMA on the device (the master goes up), fp32 on the
+          // host: both against the synchronous update of the same placement.
+          o.offload.ema_on_device = dtype == DType::bf16 && !c.offload_params;
+          CAPTURE(o.offload.ema_on_device);
+          Engine sync(mlp_units(), o, comm, backend);
+          o.offload.delayed_update = true;
+          o.offload.delayed_update_warmup_steps = warmup;
+          // Other host teams than the synchronous engine's where several
+          // micro-steps run: the kernels cut their work by chunks, not by
+          // threads, so the bits are the same.
+          if (c.accumulation > 1) {
+            o.offload.update_threads = 3;
+            o.offload.gradient_worker_threads = c.accumulate_on_host ? 2 : 0;
+          }
+          Engine delayed(mlp_units(), o, comm, backend);
+          init_random_params(sync);
+          init_random_params(delayed);
+          // After 0, 1, ... updates.
+          std::vector<std::vector<std::vector<float>>> seen = {read_model_params(sync, &backend)};
+          for (int k = 1; k <= kDelayedSteps; ++k) {
+            CAPTURE(k);
+            // Update k-1 is up before step k when it was synchronous (a warm-up step).
+            const auto& expected = (k - 1 <= warmup) ? seen[k - 1] : seen[k - 2];
+            const auto weights = read_model_params(delayed, &backend);
+            CHECK(bitwise_equal(weights, expected));
+            const StepResult want =
+                run_step_from(sync, expected, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+            const StepResult got =
+                run_step_from(delayed, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
+            CHECK(got.applied);
+            CHECK(got.grad_norm == want.grad_norm);
+            CHECK(got.clip_coefficient == want.clip_coefficient);
+            CHECK(got.clip_coefficient < 1);  // clipping is exercised
+            seen.push_back(read_model_params(sync, &backend));
+          }
+          // Reading the state (exports, validation images) waits for the
+          // running update, so it reads the latest weights, but leaves the
+          // upload to the next step: the model still holds the update before.
+          check_same_update_state(delayed, sync);
+          CHECK(bitwise_equal(read_model_params(delayed, &backend), seen[seen.size() - 2]));
+          // What settles the engine for writing (here the model's own gather;
+          // save_state too) sends the finished update up.
+          (void)delayed.gather_model_params();
+          CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
+          // One more gradient shard where backward streams into one (one
+          // micro-step, or accumulating on the host), and one more parameter
+          // copy: a staging copy, or with offload_params a second host parameter shard.
+          const std::size_t shard = delayed.layout().shard_numel();
+          const std::size_t grad_shard = shard * size_of(o.effective_grad_dtype());
+          // (Sending the master up, neither writes a copy.)
+          const std::size_t copy = o.offload.ema_on_device ? 0 : shard * size_of(dtype);
+          CHECK(delayed.host_memory().buffers ==
+                sync.host_memory().buffers + copy + (c.streams_grads() ? grad_shard : 0));
+          CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
         }
-        Engine delayed(mlp_units(), o, comm, backend);
-        init_random_params(sync);
-        init_random_params(delayed);
-        std::vector<std::vector<std::vector<float>>> seen = {read_model_params(sync, &backend)};  // after 0, 1, ... updates
-        for (int k = 1; k <= kDelayedSteps; ++k) {
-          CAPTURE(k);
-          // Update k-1 is up before step k when it was synchronous (a warm-up step).
-          const auto& expected = (k - 1 <= warmup) ? seen[k - 1] : seen[k - 2];
-          const auto weights = read_model_params(delayed, &backend);
-          CHECK(bitwise_equal(weights, expected));
-          const StepResult want = run_step_from(sync, expected, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
-          const StepResult got = run_step_from(delayed, weights, k, comm.rank(), StepGradient::pull_to_half, -1, &backend);
-          CHECK(got.applied);
-          CHECK(got.grad_norm == want.grad_norm);
-          CHECK(got.clip_coefficient == want.clip_coefficient);
-          CHECK(got.clip_coefficient < 1);  // clipping is exercised
-          seen.push_back(read_model_params(sync, &backend));
-        }
-        // Reading the state (exports, validation images) waits for the
-        // running update, so it reads the latest weights, but leaves the
-        // upload to the next step: the model still holds the update before.
-        check_same_update_state(delayed, sync);
-        CHECK(bitwise_equal(read_model_params(delayed, &backend), seen[seen.size() - 2]));
-        // What settles the engine for writing (here the model's own gather;
-        // save_state too) sends the finished update up.
-        (void)delayed.gather_model_params();
-        CHECK(bitwise_equal(read_model_params(delayed, &backend), seen.back()));
-        // One more gradient shard where backward streams into one (one
-        // micro-step, or accumulating on the host), and one more parameter
-        // copy: a staging copy, or with offload_params a second host parameter shard.
-        const std::size_t shard = delayed.layout().shard_numel();
-        const std::size_t grad_shard = shard * size_of(o.effective_grad_dtype());
-        // (Sending the master up, neither writes a copy.)
-        const std::size_t copy = o.offload.ema_on_device ? 0 : shard * size_of(dtype);
-        CHECK(delayed.host_memory().buffers ==
-              sync.host_memory().buffers + copy + (c.streams_grads() ? grad_shard : 0));
-        CHECK(delayed.host_memory().total() == delayed.predicted_host_state().total());
-      }
 }
 
 // offload.upload_during_backward sends a finished update's slices up

@@ -193,7 +193,7 @@ TEST_CASE("resume from a saved state continues bit for bit, at any stage") {
   }
 }
 
-TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage; written as fp32, read by either state dtype") {
+TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage and offloaded; read by either state dtype") {
   MpiCommunicator comm;
   auto backend = make_host_backend();
   double pid = ::getpid();
@@ -226,6 +226,17 @@ TEST_CASE("bf16 optimizer state: resumed bit for bit at another stage; written a
       check_same_state(named_state(resumed), at_save);
       for (int s = 3; s < 6; ++s) train_step(resumed, s, comm.rank());
       check_same_state(named_state(resumed), want);
+    }
+    // bf16 state offloaded to host memory (stage 2): the same bits onward.
+    {
+      EngineOptions o = bf16_options(2);
+      o.offload.optimizer = true;
+      Engine offloaded(units(false), o, comm, *backend);
+      testing::init_random_params(offloaded, 99);
+      offloaded.load_state(path);
+      check_same_state(named_state(offloaded), at_save);
+      for (int s = 3; s < 6; ++s) train_step(offloaded, s, comm.rank());
+      check_same_state(named_state(offloaded), want);
     }
     // fp32 state from the same file: the moments as they were, then fp32 onward.
     {

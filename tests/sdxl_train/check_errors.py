@@ -120,11 +120,6 @@ r = train("ema_on_device", "--offload_ema_on_device", "true")
 check_refused(r, "offload_ema_on_device without offload_optimizer", r"offload_ema_on_device needs offload_optimizer",
               forbidden=("EngineOptions", "[zero] [zero]"))
 check(r.elapsed < 30, f"offload_ema_on_device: refused in {r.elapsed:.1f} s (< 30 s)")
-r = train("state_offloaded", "--state_dtype", "bf16", "--stage", "2", "--offload_optimizer", "true")
-check_refused(r, "state_dtype bf16 with offload_optimizer",
-              r"offload_optimizer keeps the optimizer's state in fp32 on the host; optimizer state_dtype bf16 runs "
-              r"on the device only", forbidden=("EngineOptions", "[zero] [zero]"))
-check(r.elapsed < 30, f"state_dtype bf16 with offload_optimizer: refused in {r.elapsed:.1f} s (< 30 s)")
 check_refused_early(train("state_fp16", "--state_dtype", "fp16"), "state_dtype fp16",
                     r"state_dtype: 'fp16' is not one of fp32, bf16")
 check_refused_early(train("in_flight", "--reductions_in_flight", "0"), "reductions_in_flight 0",

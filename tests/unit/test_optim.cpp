@@ -356,27 +356,37 @@ TEST_CASE("bf16 optimizer state: vectorized == reference bit for bit, at any cut
     const int slots = o.state_slots();
     if (slots == 0) continue;
     o.state_dtype = DType::bf16;
-    for (DType grad_dtype : {DType::fp32, DType::bf16}) {
+    // With the EMA in the update's pass too (the offloaded update's path).
+    for (const auto& [grad_dtype, with_ema] : {std::pair{DType::fp32, false}, std::pair{DType::bf16, false},
+                                               std::pair{DType::bf16, true}}) {
       const std::size_t n = 65536 + 13;  // several chunks, spread over the threads
       CAPTURE(name_of(o.kind));
       CAPTURE(grad_dtype);
+      CAPTURE(with_ema);
       Arrays base = random_arrays(n, grad_dtype, rng);
       std::vector<std::uint16_t> m16(n), v16(n);
       for (std::size_t i = 0; i < n; ++i) {
         m16[i] = bf16_round_stochastic(base.m[i], 0x8000);
         v16[i] = bf16_round_stochastic(base.v[i], 0x8000);
       }
+      std::vector<float> ema0(n);
+      for (std::size_t i = 0; i < n; ++i) ema0[i] = base.master[i] * 0.75f;
       struct Run {
         Arrays a;
         std::vector<std::uint16_t> m, v;
+        std::vector<float> ema;
       };
-      Run whole{base, m16, v16}, reference = whole, cut = whole, shifted = whole;
+      Run whole{base, m16, v16, ema0}, reference = whole, cut = whole, shifted = whole;
       auto update_of = [&](Run& run, std::uint64_t first_index) {
         ShardUpdate u = view(run.a, grad_dtype, DType::bf16, true, slots);
         u.state0 = run.m.data();
         u.state1 = slots >= 2 ? run.v.data() : nullptr;
         u.state_dtype = DType::bf16;
         u.first_index = first_index;
+        if (with_ema) {
+          u.ema = run.ema.data();
+          u.ema_decay = 0.9;
+        }
         return u;
       };
       const std::uint64_t first = (std::uint64_t{1} << 32) - 1000;  // crosses 2^32 inside the span
@@ -397,6 +407,9 @@ TEST_CASE("bf16 optimizer state: vectorized == reference bit for bit, at any cut
       REQUIRE(cut.a.master == whole.a.master);
       REQUIRE(cut.m == whole.m);
       REQUIRE(cut.v == whole.v);
+      REQUIRE(whole.ema == reference.ema);
+      REQUIRE(cut.ema == whole.ema);
+      CHECK((whole.ema != ema0) == with_ema);
       // Other indices, other rounding: some state bits differ.
       CHECK(shifted.m != whole.m);
       // The state moved (the update wrote it), and stayed near fp32 state's.

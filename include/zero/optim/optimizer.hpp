@@ -57,6 +57,7 @@ struct OptimizerOptions {
   /// stochastically after each update (bf16_round_stochastic below): 2 bytes
   /// a slot instead of 4, so AdamW's update moves 20 bytes a parameter
   /// instead of 28 with bf16 gradients and parameters. The math stays fp32.
+  /// On the device and offloaded (the host kernel draws the same bits).
   DType state_dtype = DType::fp32;
 
   void validate() const {

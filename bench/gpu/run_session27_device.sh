@@ -14,6 +14,7 @@
 #             VARIANTS, default "new atstep base"; also grad1, upd12: this
 #             build with --offload_gradient_threads 1, --offload_update_threads
 #             12; gstats: with --offload_gradient_stats_on_device true;
+#             bf16state: with --state_dtype bf16;
 #             EXTRA: more trainer options, for every variant).
 #  trace:     the offloaded run (this build) with a Kineto trace of step 10,
 #             where the compute stream waits and what the copies did meanwhile
@@ -67,6 +68,8 @@ if has ab; then
         upd12) offloaded "sdxl-offload-emadevice-upd12-r$round" "$BUILD" --offload_update_threads 12 ;;
         # Session 32: the gradient statistics summed on the GPU before the download.
         gstats) offloaded "sdxl-offload-emadevice-gstats-r$round" "$BUILD" --offload_gradient_stats_on_device true ;;
+        # Session 35: the host update's moments in bf16 (18 bytes a parameter instead of 26).
+        bf16state) offloaded "sdxl-offload-emadevice-bf16state-r$round" "$BUILD" --state_dtype bf16 ;;
         base) offloaded "sdxl-offload-emadevice-base-r$round" "${base:?set BASE_TREE for the base variant}/build/cuda" ;;
       esac
     done

@@ -7,6 +7,10 @@
 #   optbench: gpu_bench_optimizer at 2^30 parameters, no sweep: AdamW with
 #             bf16 gradients and copy, fp32 state against bf16 state (predicted
 #             20 / 28 = 0.71 of the time) and the copy ceiling;
+#   hostbench: (session 35) bench_cpu_optimizer's AdamW + EMA in one pass at
+#             2^27 parameters with fp32 and with bf16 moments, and the copy
+#             ceiling, on this machine's host (the offloaded update's kernel;
+#             build it with TARGETS);
 #   b1ab:     bench/gpu/run_session27_device.sh's phase b1ab (batch 1, stage 0,
 #             graph) with B1_VARIANTS (default "noprefetch pinned bf16state") B1_ROUNDS
 #             times (default 1).
@@ -26,6 +30,12 @@ fi
 if has optbench; then
   say "optimizer bench"
   timeout 240 "$BUILD/bench/gpu/gpu_bench_optimizer" --no-sweep --json "$OUT_DIR/optimizer.json" 2>&1 | tee -a "$LOG"
+fi
+if has hostbench; then
+  say "host optimizer bench"
+  timeout 240 "$BUILD/bench/cpu/bench_cpu_optimizer" --benchmark_filter="EMA_bf16_fused|Memcpy" \
+    --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$OUT_DIR/cpu-optimizer.json" --benchmark_out_format=json 2>&1 | grep -E "median|Run on" | tee -a "$LOG"
 fi
 if has b1ab; then
   OUT=$OUT PHASES=b1ab B1_ROUNDS=${B1_ROUNDS:-1} B1_VARIANTS=${B1_VARIANTS:-noprefetch pinned bf16state} \

@@ -70,6 +70,57 @@ TEST_CASE("stages 0..3 equal unsharded training and each other") {
   }
 }
 
+namespace {
+
+// One configuration offloaded in each placement (the EMA in the host update's
+// pass or on the device, the statistics summed by the host worker, several
+// micro-steps added on the host, the parameters in host memory at stage 3)
+// against the on-device optimizer, bit for bit, at stages 1..3.
+void check_offloaded_equals_on_device(Config c, MpiCommunicator& comm, Backend& backend) {
+  c.ema_decay = 0.9;
+  CAPTURE(c.dtype);
+  CAPTURE(c.accumulation);
+  CAPTURE(name_of(c.optimizer.kind));
+  CAPTURE(c.optimizer.state_dtype);
+  for (int stage = 1; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    const Trained on_device = train_sharded(c, stage, comm, backend);
+    Config offloaded = c;
+    offloaded.offload = true;
+    check_bitwise_same_training(train_sharded(offloaded, stage, comm, backend), on_device);
+    // The EMA kept on the device: the master goes up, and the device
+    // updates the EMA from it and rounds it into the parameters.
+    Config ema_on_device = offloaded;
+    ema_on_device.ema_on_device = true;
+    check_bitwise_same_training(train_sharded(ema_on_device, stage, comm, backend), on_device);
+    // The streamed statistics summed by the host worker after each slice
+    // lands instead of on the device before (the default; no difference
+    // where the gradients do not stream: several micro-steps accumulated
+    // on the device).
+    Config summed_on_host = offloaded;
+    summed_on_host.grad_stats_on_device = false;
+    check_bitwise_same_training(train_sharded(summed_on_host, stage, comm, backend), on_device);
+    // Several micro-steps each reduced: also added on the host instead of
+    // on the device (the same fp32 add and rounding).
+    const bool host_accumulation = c.accumulation > 1 && c.mode == GradAccumulation::reduce_each_micro_step;
+    if (host_accumulation) {
+      Config on_host = offloaded;
+      on_host.accumulate_on_host = true;
+      check_bitwise_same_training(train_sharded(on_host, stage, comm, backend), on_device);
+    }
+    if (stage == 3) {  // and the parameter shard in host memory as well
+      offloaded.offload_params = true;
+      check_bitwise_same_training(train_sharded(offloaded, stage, comm, backend), on_device);
+      if (host_accumulation) {
+        offloaded.accumulate_on_host = true;
+        check_bitwise_same_training(train_sharded(offloaded, stage, comm, backend), on_device);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 // bf16 optimizer state: the rounding bits come from each element's index in
 // the full flat buffer, so every stage gives the same bits on a world size;
 // training stays near the fp32-state reference; the offloaded update is the
@@ -108,26 +159,10 @@ TEST_CASE("bf16 optimizer state: stages 0..3 the same bits, near fp32 state; off
     }
   }
   // Offloaded: the host update widens and rounds the same bits (the same
-  // index hash), with the EMA in its pass, kept on the device, and with the
-  // parameters offloaded at stage 3.
+  // index hash), in every placement the offloaded fp32 state is checked in.
   for (Config c : cases) {
     c.optimizer.state_dtype = DType::bf16;
-    c.ema_decay = 0.9;
-    CAPTURE(name_of(c.optimizer.kind));
-    for (int stage = 1; stage <= 3; ++stage) {
-      CAPTURE(stage);
-      const Trained on_device = train_sharded(c, stage, comm, *backend);
-      Config offloaded = c;
-      offloaded.offload = true;
-      check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
-      Config ema_on_device = offloaded;
-      ema_on_device.ema_on_device = true;
-      check_bitwise_same_training(train_sharded(ema_on_device, stage, comm, *backend), on_device);
-      if (stage == 3) {
-        offloaded.offload_params = true;
-        check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
-      }
-    }
+    check_offloaded_equals_on_device(c, comm, *backend);
   }
 }
 
@@ -357,47 +392,7 @@ TEST_CASE("stage 3: a prefetch left unused across step() is not served stale aft
 TEST_CASE("the offloaded optimizer equals the on-device one bitwise at stages 1..3") {
   MpiCommunicator comm;
   auto backend = make_host_backend();
-  for (Config c : configs()) {
-    c.ema_decay = 0.9;
-    CAPTURE(c.dtype);
-    CAPTURE(c.accumulation);
-    CAPTURE(name_of(c.optimizer.kind));
-    for (int stage = 1; stage <= 3; ++stage) {
-      CAPTURE(stage);
-      const Trained on_device = train_sharded(c, stage, comm, *backend);
-      Config offloaded = c;
-      offloaded.offload = true;
-      check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
-      // The EMA kept on the device: the master goes up, and the device
-      // updates the EMA from it and rounds it into the parameters.
-      Config ema_on_device = offloaded;
-      ema_on_device.ema_on_device = true;
-      check_bitwise_same_training(train_sharded(ema_on_device, stage, comm, *backend), on_device);
-      // The streamed statistics summed by the host worker after each slice
-      // lands instead of on the device before (the default; no difference
-      // where the gradients do not stream: several micro-steps accumulated
-      // on the device).
-      Config summed_on_host = offloaded;
-      summed_on_host.grad_stats_on_device = false;
-      check_bitwise_same_training(train_sharded(summed_on_host, stage, comm, *backend), on_device);
-      // Several micro-steps each reduced: also added on the host instead of
-      // on the device (the same fp32 add and rounding).
-      const bool host_accumulation = c.accumulation > 1 && c.mode == GradAccumulation::reduce_each_micro_step;
-      if (host_accumulation) {
-        Config on_host = offloaded;
-        on_host.accumulate_on_host = true;
-        check_bitwise_same_training(train_sharded(on_host, stage, comm, *backend), on_device);
-      }
-      if (stage == 3) {  // and the parameter shard in host memory as well
-        offloaded.offload_params = true;
-        check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
-        if (host_accumulation) {
-          offloaded.accumulate_on_host = true;
-          check_bitwise_same_training(train_sharded(offloaded, stage, comm, *backend), on_device);
-        }
-      }
-    }
-  }
+  for (const Config& c : configs()) check_offloaded_equals_on_device(c, comm, *backend);
 }
 
 namespace {

@@ -12,7 +12,8 @@ compared.
 2. The same at stage 3: the same loss trajectory bit for bit (stages 0..3
    are bitwise identical at the same world size); and at stage 3 with the
    optimizer and parameters offloaded to host memory; offload_params below
-   stage 3 is refused. The delayed update (DPU): warm-up steps equal, then
+   stage 3 is refused; bf16 optimizer state offloaded trains the on-device
+   bf16-state trajectory bit for bit. The delayed update (DPU): warm-up steps equal, then
    departs and still trains; resuming continues it exactly; at stage 3 with
    offload_params it is the stage-2 delayed run bit for bit; with
    accumulation 2 it trains, the same bit for bit with the gradients
@@ -130,6 +131,14 @@ check(all(a[s] == b[s] for s in b), "stage 3 loss trajectory equals stage 2's bi
 # the CPU optimizer computes what the engine's kernels compute.
 f = head("np2-stage3-offload", 2, "--stage", "3", "--offload_optimizer", "true", "--offload_params", "true")
 check(all(a[s] == f[s] for s in f), "stage 3 with optimizer and parameters offloaded: the same trajectory bit for bit")
+# bf16 optimizer state (stochastic rounding keyed by each element's index and
+# the step): offloaded, the host update draws the same bits as the engine's
+# kernel on the device; near the fp32-state trajectory.
+bd = head("np2-stage2-bf16-state", 2, "--stage", "2", "--state_dtype", "bf16")
+bo = head("np2-stage2-bf16-state-offload", 2, "--stage", "2", "--state_dtype", "bf16", "--offload_optimizer", "true")
+check(bo == bd, "state_dtype bf16: offloaded, the same trajectory bit for bit")
+worst = max(abs(a[s] - bd[s]) / abs(a[s]) for s in bd)
+check(0 < worst <= 1e-2, f"state_dtype bf16: within 1e-2 of fp32 state's losses, and not equal (got {worst:.2e})")
 code, output = run_expecting_failure("offload-stage2", 1, "--stage", "2", "--offload_optimizer", "true",
                                      "--offload_params", "true")
 check(code != 0 and "offload_params needs stage 3 with offload_optimizer" in output, "offload_params below stage 3 is refused, naming it")

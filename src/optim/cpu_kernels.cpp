@@ -34,12 +34,6 @@ constexpr std::size_t kChunk = std::size_t{1} << 16;  // elements per task; fixe
 
 // Branch-free conversions (selects instead of branches) so loops vectorize;
 // they round exactly like the scalar ones in dtype.hpp.
-inline float load_bf16(std::uint16_t bits) {
-  std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, 4);
-  return value;
-}
 inline std::uint16_t store_bf16(float value) {
   std::uint32_t bits;
   std::memcpy(&bits, &value, 4);
@@ -56,7 +50,7 @@ using Storage = std::conditional_t<D == DType::fp32, float, std::uint16_t>;
 template <DType D>
 inline float load_value(const Storage<D>* data, std::size_t i) {
   if constexpr (D == DType::fp32) return data[i];
-  if constexpr (D == DType::bf16) return load_bf16(data[i]);
+  if constexpr (D == DType::bf16) return bf16_state_to_float(data[i]);
   if constexpr (D == DType::fp16) return fp16_bits_to_float(data[i]);
 }
 
@@ -107,9 +101,9 @@ inline void update_run(const StepScalars& scalars, const ShardUpdate& u, std::si
     float p = master[i];
     if constexpr (Bf16State) {
       static_assert(HasMomentum, "bf16 state needs a state tensor");
-      float mi = load_bf16(m[i]), vi = 0.0f;
+      float mi = bf16_state_to_float(m[i]), vi = 0.0f;
       if constexpr (Kind == OptimizerKind::adamw) {
-        vi = load_bf16(v[i]);
+        vi = bf16_state_to_float(v[i]);
         adamw_element(p, mi, vi, g, s);
       } else if constexpr (Kind == OptimizerKind::lion) {
         lion_element(p, mi, g, s);

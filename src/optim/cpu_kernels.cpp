@@ -69,10 +69,9 @@ inline float load_grad(const void* data, std::size_t i) {
 // ModelDType: the copy to write, or fp32 meaning "no copy".
 // Bf16State: state0/state1 hold bf16, widened on load and rounded
 // stochastically on store (optimizer.hpp); the math in between is the same.
-// high_hash: with bf16 state, the hash of the high half of the elements'
-// indices and the step's key (state_rounding_bits' inner hash), the same over
-// [begin, end) (update_range cuts the range where the high half changes), so
-// the loop hashes only the low half, in 32-bit lanes.
+// high_hash: with bf16 state, state_rounding_high of the elements' indices,
+// the same over [begin, end) (update_range cuts the range where the high half
+// changes), so the loop hashes only the low half, in 32-bit lanes.
 template <OptimizerKind Kind, DType GradDType, DType ModelDType, bool HasCopy, bool HasMomentum, bool HasEma,
           bool Bf16State>
 inline void update_run(const StepScalars& scalars, const ShardUpdate& u, std::size_t begin, std::size_t end,
@@ -110,7 +109,7 @@ inline void update_run(const StepScalars& scalars, const ShardUpdate& u, std::si
       } else {
         sgd_element(p, &mi, g, s);
       }
-      const std::uint32_t bits = rounding_hash((static_cast<std::uint32_t>(i) + low_offset) ^ high_hash);
+      const std::uint32_t bits = state_rounding_low(static_cast<std::uint32_t>(i) + low_offset, high_hash);
       m[i] = bf16_round_stochastic(mi, bits >> 16);
       if constexpr (Kind == OptimizerKind::adamw) v[i] = bf16_round_stochastic(vi, bits);
     } else if constexpr (Kind == OptimizerKind::adamw) {
@@ -139,7 +138,7 @@ inline void update_range(const StepScalars& s, const ShardUpdate& u, std::size_t
       const std::uint64_t index = u.first_index + lo;
       const std::size_t run = static_cast<std::size_t>(
           std::min<std::uint64_t>(end - lo, kLowSpan - (index & (kLowSpan - 1))));
-      const std::uint32_t high_hash = rounding_hash(static_cast<std::uint32_t>(index >> 32) ^ s.rounding_key);
+      const std::uint32_t high_hash = state_rounding_high(static_cast<std::uint32_t>(index >> 32), s.rounding_key);
       update_run<Kind, GradDType, ModelDType, HasCopy, HasMomentum, HasEma, true>(s, u, lo, lo + run, high_hash);
       lo += run;
     }

@@ -138,11 +138,23 @@ inline std::uint32_t rounding_key_of(std::int64_t step) {
          rounding_hash(static_cast<std::uint32_t>(static_cast<std::uint64_t>(step) >> 32) ^ 0x85ebca6bu);
 }
 
+/// The part of state_rounding_bits that depends on the index's high 32 bits
+/// and the key only: the same for 2^32 elements in a row, so a loop over
+/// them may compute it once (the CPU kernel does).
+ZERO_HOST_DEVICE std::uint32_t state_rounding_high(std::uint32_t index_high, std::uint32_t key) {
+  return rounding_hash(index_high ^ key);
+}
+
+/// state_rounding_bits from the index's low 32 bits and state_rounding_high.
+ZERO_HOST_DEVICE std::uint32_t state_rounding_low(std::uint32_t index_low, std::uint32_t high) {
+  return rounding_hash(index_low ^ high);
+}
+
 /// 32 random bits for the element at `index` of the full flat buffer: the
 /// high half rounds state0, the low half state1.
 ZERO_HOST_DEVICE std::uint32_t state_rounding_bits(std::uint64_t index, std::uint32_t key) {
-  return rounding_hash(static_cast<std::uint32_t>(index) ^
-                       rounding_hash(static_cast<std::uint32_t>(index >> 32) ^ key));
+  return state_rounding_low(static_cast<std::uint32_t>(index),
+                            state_rounding_high(static_cast<std::uint32_t>(index >> 32), key));
 }
 
 /// float -> bf16, rounded up with probability (dropped bits) / 2^16: the 16

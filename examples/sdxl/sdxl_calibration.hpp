@@ -102,6 +102,10 @@ inline zero::plan::SpeedModel speed_model() {
   // offload_ema_on_device, alternated in one call (H100 machine, 16 cores):
   // 0.676 / 0.865, 0.739 / 0.917 and 0.663 / 0.935 s of CPU update per step.
   s.cpu_update_share_ema_on_device = 0.765;
+  // bf16 moments offloaded (bench/results/session35.md, the H100 machine's
+  // 16-core host, EMA on the GPU): 0.623 -> 0.458 s of CPU update per step,
+  // 0.735 where the bytes say 18 / 26 = 0.69 (the rounding's hash costs some).
+  s.cpu_bf16_state_share = 0.735;
   // The delayed update's forward + backward against on-device at batch 8 (H100
   // machine, EMA on the GPU, parameters up during backward): 0.614 / 0.504
   // (session 28), 0.626 / 0.516 (session 30, before backward stopped waiting

@@ -274,18 +274,21 @@ double Plan::seconds_per_step() const {
   if (input.engine.stage == 3) gpu *= 1.0 + s.stage3_gather_cost / samples;
   else gpu *= 1.0 + s.stage_step_cost * input.engine.stage;
   gpu *= input.engine.accumulation_steps;
-  // The update's constants were measured with fp32 state; the update is a
-  // stream at the memory's ceiling (the device's HBM, the host's DRAM), so
-  // bf16 state scales it by the bytes it moves (master 8, gradient and copy,
-  // two per state slot, the EMA's 8).
+  // The update's constants were measured with fp32 state; on the device the
+  // update is a stream at HBM's ceiling, so bf16 state scales it by the bytes
+  // it moves (master 8, gradient and copy, two per state slot, the EMA's 8).
+  // The host's scale is measured where given (SpeedModel::cpu_bf16_state_share).
   const EngineOptions& e = input.engine;
-  const double slots = e.optimizer.state_slots();
-  const double common = 8.0 + static_cast<double>(size_of(e.effective_grad_dtype())) +
-                        static_cast<double>(size_of(e.param_dtype)) + (e.ema.enabled() ? 8.0 / e.ema.every : 0.0);
-  const double state_scale =
-      (common + 2.0 * slots * static_cast<double>(size_of(e.optimizer.state_dtype))) / (common + 8.0 * slots);
+  const bool bf16_state = e.optimizer.state_dtype != DType::fp32;
+  auto bytes_scale = [&] {
+    const double slots = e.optimizer.state_slots();
+    const double common = 8.0 + static_cast<double>(size_of(e.effective_grad_dtype())) +
+                          static_cast<double>(size_of(e.param_dtype)) + (e.ema.enabled() ? 8.0 / e.ema.every : 0.0);
+    return (common + 2.0 * slots * static_cast<double>(size_of(e.optimizer.state_dtype))) / (common + 8.0 * slots);
+  };
   if (!e.offload.optimizer)
-    gpu += s.optimizer_seconds_per_step * size * state_scale / (e.stage == 0 ? 1.0 : input.world_size);
+    gpu += s.optimizer_seconds_per_step * size * (bf16_state ? bytes_scale() : 1.0) /
+           (e.stage == 0 ? 1.0 : input.world_size);
   double offload = 0, gathers = 0, host_additions = 0;
   if (input.engine.offload.optimizer) {
     const double shard = static_cast<double>(padded_numel) / input.world_size;
@@ -302,7 +305,9 @@ double Plan::seconds_per_step() const {
     const double update_share =
         ema_on_device ? s.cpu_update_share_ema_on_device
                       : 1.0 - s.cpu_ema_share + (ema.enabled() ? s.cpu_ema_share / ema.every : 0.0);
-    offload = std::max(shard * ranks_per_host * update_share * state_scale / s.cpu_elements_per_second,
+    const double host_state_scale =
+        !bf16_state ? 1.0 : s.cpu_bf16_state_share > 0 ? s.cpu_bf16_state_share : bytes_scale();
+    offload = std::max(shard * ranks_per_host * update_share * host_state_scale / s.cpu_elements_per_second,
                        shard * (static_cast<double>(size_of(input.engine.effective_grad_dtype())) + up_after_step) /
                            s.pcie_bytes_per_second);
     const double gather_rate = s.param_gather_bytes_per_second > 0 ? s.param_gather_bytes_per_second

@@ -1035,7 +1035,17 @@ TEST_CASE("plan: bf16 optimizer state halves its bytes and the update's state tr
     return slow - plan::make_plan(p).seconds_per_step();
   };
   CHECK(host_update_seconds(in) > 1.0);
-  CHECK(host_update_seconds(bf16_in) == doctest::Approx(host_update_seconds(in) * 20.0 / 28.0));
+  plan::PlanInput bytes_share = bf16_in;  // no measured share: the bytes'
+  bytes_share.speed.cpu_bf16_state_share = 0;
+  CHECK(host_update_seconds(bytes_share) == doctest::Approx(host_update_seconds(in) * 20.0 / 28.0));
+  // A host's measured share replaces the bytes' (a host bound by arithmetic
+  // gains less, or loses; the SDXL calibration's 0.735); the device's update
+  // keeps the bytes' scale.
+  CHECK(host_update_seconds(bf16_in) == doctest::Approx(host_update_seconds(in) * 0.735));
+  plan::PlanInput measured = bf16_in;
+  measured.speed.cpu_bf16_state_share = 1.2;
+  CHECK(host_update_seconds(measured) == doctest::Approx(host_update_seconds(in) * 1.2));
+  CHECK(plan::make_plan(measured).seconds_per_step() == doctest::Approx(bf16.seconds_per_step()));
   // fit under 24 GiB searches bf16 state on the GPU and offloaded alike.
   bf16_in.engine.ema.decay = 0.9999;
   const plan::FitResult r = plan::fit(bf16_in, 24 * kGiB);

@@ -124,6 +124,12 @@ struct SpeedModel {
   /// copy's cost is not the EMA's by byte count (measured 0.71-0.81 where the
   /// bytes say 26 / 36). The default is the bytes' share.
   double cpu_update_share_ema_on_device = 26.0 / 36.0;
+  /// optimizer state_dtype bf16, offloaded: the host update's time as a share
+  /// of its time with fp32 state (the same EMA placement). Its own constant:
+  /// a host bound by memory gains the bytes' share, one bound by arithmetic
+  /// can lose (the stochastic rounding's hash; a 2-core AVX2 host ran 1.22x).
+  /// 0: the bytes' share (the same scaling as the device's update).
+  double cpu_bf16_state_share = 0.0;
   double pcie_bytes_per_second = 25e9;   // per GPU, offload transfers
   /// offload.delayed_update: forward + backward against the same micro-steps
   /// on the device alone (x this), because the CPU update beside them and the

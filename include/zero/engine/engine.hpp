@@ -62,7 +62,9 @@ struct StepResult {
   /// Offload: host wall time of step()'s CPU work, the gradient statistics
   /// of streamed gradients (each bucket's are summed on the host worker as
   /// its gradient lands, beside backward: this is what was left to wait for
-  /// and to add up) and the CPU update (optimizer, and waiting for
+  /// and to add up; with them summed on the device before the download, the
+  /// copy that reads them back, which waits for the last bucket's sums) and
+  /// the CPU update (optimizer, and waiting for
   /// gradients still on their way down; the EMA of a synchronous update runs
   /// on a background thread during the next forward and backward, and the
   /// wait for it, if any, is counted here at the next step); 0 without offload.

@@ -131,7 +131,7 @@ void define_options(CLI::App& app, Options& o) {
   app.add_option("--optimizer", o.optimizer, "adamw, lion or sgd (with momentum)")
       ->capture_default_str()->check(CLI::IsMember({"adamw", "lion", "sgd"}));
   app.add_option("--state-dtype", o.state_dtype,
-                 "the optimizer state's storage: fp32, or bf16 (the trainer's [optimizer] state_dtype; on the GPU only)")
+                 "the optimizer state's storage: fp32, or bf16 (the trainer's [optimizer] state_dtype; on the GPU or offloaded)")
       ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--ema", o.ema, "an fp32 EMA of the weights");
   app.add_option("--ema-every", o.ema_every,

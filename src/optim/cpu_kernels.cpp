@@ -157,15 +157,14 @@ void dispatch_range(const StepScalars& s, const ShardUpdate& u, std::size_t begi
   // it, with fp32 state and (where there is state) with bf16 state.
   const bool bf16_state = u.state_dtype == DType::bf16;
   auto run = [&]<DType G, DType M, bool Copy, bool Momentum>() {
+    auto with_ema = [&]<bool Bf16State>() {
+      if (u.ema) update_range<Kind, G, M, Copy, Momentum, true, Bf16State>(s, u, begin, end);
+      else update_range<Kind, G, M, Copy, Momentum, false, Bf16State>(s, u, begin, end);
+    };
     if constexpr (Momentum) {
-      if (bf16_state) {
-        if (u.ema) update_range<Kind, G, M, Copy, true, true, true>(s, u, begin, end);
-        else update_range<Kind, G, M, Copy, true, false, true>(s, u, begin, end);
-        return;
-      }
+      if (bf16_state) return with_ema.template operator()<true>();
     }
-    if (u.ema) update_range<Kind, G, M, Copy, Momentum, true>(s, u, begin, end);
-    else update_range<Kind, G, M, Copy, Momentum, false>(s, u, begin, end);
+    with_ema.template operator()<false>();
   };
   auto with_grad = [&]<DType G>() {
     if (!copy) {
